@@ -1,0 +1,301 @@
+"""The process-wide runtime: JAX backend and devices, the mesh, torchax, compile caches, transfers.
+
+Everything that touches a device goes through one ``Runtime``. It is created on first use (``get_runtime``), not
+at import: ComfyUI imports every pack at start-up and a TPU can be held by one process only.
+
+What leaves the runtime are CPU torch tensors and plain Python values; torchax tensors and jax arrays stay inside
+the model-family code that asked for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Hashable
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+MESH_AXES = ("dp", "sp", "tp")
+CACHE_DIR_ENV = "TPU_VIDEO_CACHE_DIR"
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+def default_cache_dir() -> Path:
+    """The persistent XLA compilation cache directory: ``$TPU_VIDEO_CACHE_DIR`` or a per-user cache folder."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tpu_video_nodes" / "xla_cache"
+
+
+@dataclass
+class CompileStats:
+    """Counts of compiled programs, process-wide, from JAX's own monitoring events.
+
+    ``backend_compiles`` counts every XLA executable JAX built or fetched from the persistent cache;
+    ``persistent_cache_hits`` those fetched from disk. ``xla_compiles`` is what was really compiled.
+    """
+
+    backend_compiles: int = 0
+    persistent_cache_hits: int = 0
+    compile_seconds: float = 0.0
+
+    @property
+    def xla_compiles(self) -> int:
+        return self.backend_compiles - self.persistent_cache_hits
+
+    def snapshot(self) -> "CompileStats":
+        return CompileStats(self.backend_compiles, self.persistent_cache_hits, self.compile_seconds)
+
+    def since(self, earlier: "CompileStats") -> "CompileStats":
+        return CompileStats(
+            self.backend_compiles - earlier.backend_compiles,
+            self.persistent_cache_hits - earlier.persistent_cache_hits,
+            self.compile_seconds - earlier.compile_seconds,
+        )
+
+
+_STATS = CompileStats()
+_listeners_installed = False
+
+
+def _install_compile_listeners() -> None:
+    global _listeners_installed
+    if _listeners_installed:
+        return
+    import jax.monitoring
+
+    def on_duration(event: str, duration: float, **_: Any) -> None:
+        if event == _BACKEND_COMPILE_EVENT:
+            _STATS.backend_compiles += 1
+            _STATS.compile_seconds += duration
+
+    def on_event(event: str, **_: Any) -> None:
+        if event == _CACHE_HIT_EVENT:
+            _STATS.persistent_cache_hits += 1
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    jax.monitoring.register_event_listener(on_event)
+    _listeners_installed = True
+
+
+def compile_stats() -> CompileStats:
+    """A copy of the process-wide compile counters."""
+    return _STATS.snapshot()
+
+
+@dataclass
+class CompiledProgram:
+    """One entry of the in-memory program table."""
+
+    executable: Any
+    compile_seconds: float
+    memory: dict[str, int] = field(default_factory=dict)
+
+
+class Runtime:
+    """Owns the backend, the device mesh, the torchax environment and the compiled-program table."""
+
+    def __init__(self, cache_dir: str | os.PathLike | None = None, mesh_shape: dict[str, int] | None = None):
+        import jax
+
+        from ._torchax_compat import import_torchax
+
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", str(self.cache_dir))
+        # Cache every program: tiny CPU programs too, so behaviour is the same on every backend.
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        _install_compile_listeners()
+
+        self.torchax = import_torchax()
+        self.env = self.torchax.default_env()
+        self.devices = jax.devices()
+        self.backend = jax.default_backend()
+        self.mesh = self._build_mesh(mesh_shape)
+        self._programs: dict[Hashable, CompiledProgram] = {}
+        self._lock = threading.RLock()
+        log.info(
+            "runtime ready: backend=%s, %d device(s) [%s], mesh %s, compilation cache %s",
+            self.backend, len(self.devices), self.devices[0].device_kind,
+            dict(zip(MESH_AXES, self.mesh.devices.shape)), self.cache_dir,
+        )
+
+    # --- devices and placement -------------------------------------------------------------------------------
+    def _build_mesh(self, mesh_shape: dict[str, int] | None):
+        from jax.sharding import Mesh
+
+        n = len(self.devices)
+        shape = dict(mesh_shape or {"dp": 1, "sp": 1, "tp": n})
+        unknown = set(shape) - set(MESH_AXES)
+        if unknown:
+            raise ValueError(f"mesh axes must be among {MESH_AXES}, got {sorted(unknown)}")
+        sizes = tuple(int(shape.get(a, 1)) for a in MESH_AXES)
+        if int(np.prod(sizes)) != n:
+            raise ValueError(
+                f"mesh {dict(zip(MESH_AXES, sizes))} has {int(np.prod(sizes))} devices but this machine has {n}: "
+                "choose sizes whose product is the device count"
+            )
+        return Mesh(np.asarray(self.devices).reshape(sizes), MESH_AXES)
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        return dict(zip(MESH_AXES, self.mesh.devices.shape))
+
+    def replicated(self):
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def put(self, value: Any, sharding=None):
+        """Move CPU torch tensors / numpy arrays (any pytree of them) onto the mesh; replicated unless told."""
+        import jax
+        from torchax.ops.mappings import t2j
+
+        sharding = sharding or self.replicated()
+
+        def to_device(x):
+            if isinstance(x, torch.Tensor):
+                x = t2j(x.detach().cpu().contiguous(), use_dlpack=False)
+            return jax.device_put(x, sharding)
+
+        return jax.tree_util.tree_map(
+            to_device, value, is_leaf=lambda x: isinstance(x, (torch.Tensor, np.ndarray))
+        )
+
+    @staticmethod
+    def to_cpu(value: Any) -> Any:
+        """Bring jax arrays (any pytree of them) back as CPU torch tensors."""
+        import jax
+        from torchax.ops.mappings import j2t
+
+        return jax.tree_util.tree_map(lambda x: j2t(x, use_dlpack=False) if isinstance(x, jax.Array) else x, value)
+
+    # --- torch modules as jax functions -----------------------------------------------------------------------
+    def module_state(self, module: torch.nn.Module) -> dict[str, Any]:
+        """The module's parameters and buffers, moved to the devices (replicated)."""
+        # Every name, tied weights included (T5's embeddings), each distinct tensor moved once.
+        named = list(module.named_parameters(remove_duplicate=False))
+        named += list(module.named_buffers(remove_duplicate=False))
+        moved: dict[int, Any] = {}
+        state = {}
+        for name, tensor in named:
+            if id(tensor) not in moved:
+                moved[id(tensor)] = self.put(tensor.detach())
+            state[name] = moved[id(tensor)]
+        return state
+
+    def module_function(self, module: torch.nn.Module, method: str = "forward") -> Callable:
+        """``fn(state, *args, **kwargs)`` over jax values that runs ``module.<method>`` through torchax.
+
+        ``state`` is what ``module_state`` returned (or any dict of the same names); the module's own tensors are
+        not used, so its CPU weights may be freed once the state is on the devices.
+        """
+        env = self.env
+        caller = _MethodCall(module, method)
+
+        def fn(state, *args, **kwargs):
+            state, args, kwargs = env.j2t_iso((state, args, kwargs))
+            state = {f"inner.{k}": v for k, v in state.items()}
+            with env:
+                out = torch.func.functional_call(caller, state, args, kwargs, strict=False)
+            return env.t2j_iso(out)
+
+        return fn
+
+    # --- compiled programs ------------------------------------------------------------------------------------
+    def compiled(self, key: Hashable, fn: Callable, *example_args, describe: str = "", static: dict | None = None):
+        """The compiled program for ``key``, compiling ``fn`` on ``example_args`` (arrays or shape structs) once.
+
+        The key must name everything that changes the program: family, stage, static options, shapes, dtypes.
+        The mesh is added here.
+        """
+        import jax
+
+        full_key = (key, tuple(self.mesh.devices.shape), tuple(d.id for d in self.mesh.devices.flat))
+        with self._lock:
+            program = self._programs.get(full_key)
+            if program is not None:
+                return program.executable
+            log.info("compiling %s (first run with this shape only; later runs reuse it)", describe or key)
+            start = time.perf_counter()
+            jitted = jax.jit(fn, static_argnames=tuple(static) if static else ())
+            lowered = jitted.lower(*example_args, **(static or {}))
+            executable = lowered.compile()
+            seconds = time.perf_counter() - start
+            program = CompiledProgram(executable, seconds, _memory_analysis(executable))
+            self._programs[full_key] = program
+            log.info("compiled %s in %.1f s", describe or key, seconds)
+            return executable
+
+    def program_info(self, key: Hashable) -> CompiledProgram | None:
+        full_key = (key, tuple(self.mesh.devices.shape), tuple(d.id for d in self.mesh.devices.flat))
+        return self._programs.get(full_key)
+
+    @property
+    def program_count(self) -> int:
+        return len(self._programs)
+
+    def clear_programs(self) -> None:
+        with self._lock:
+            self._programs.clear()
+
+
+class _MethodCall(torch.nn.Module):
+    """Lets ``torch.func.functional_call`` run a method other than ``forward`` (e.g. ``vae.decode``)."""
+
+    def __init__(self, module: torch.nn.Module, method: str):
+        super().__init__()
+        self.inner = module
+        self.method = method
+
+    def forward(self, *args, **kwargs):
+        return getattr(self.inner, self.method)(*args, **kwargs)
+
+
+def _memory_analysis(executable) -> dict[str, int]:
+    try:
+        m = executable.memory_analysis()
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        return {}
+    if m is None:
+        return {}
+    names = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "generated_code_size_in_bytes")
+    return {n: int(getattr(m, n, 0)) for n in names}
+
+
+_runtime: Runtime | None = None
+_runtime_lock = threading.Lock()
+
+
+def get_runtime(cache_dir: str | os.PathLike | None = None, mesh_shape: dict[str, int] | None = None) -> Runtime:
+    """The process-wide runtime, created on first call. Later calls may not ask for a different setting."""
+    global _runtime
+    with _runtime_lock:
+        if _runtime is None:
+            _runtime = Runtime(cache_dir=cache_dir, mesh_shape=mesh_shape)
+            return _runtime
+        if cache_dir is not None and Path(cache_dir).expanduser() != _runtime.cache_dir:
+            raise ValueError(
+                f"the runtime already uses compilation cache {_runtime.cache_dir}; a process has one cache "
+                f"directory, so {cache_dir} cannot be used too: restart to change it"
+            )
+        if mesh_shape is not None and {**{a: 1 for a in MESH_AXES}, **mesh_shape} != _runtime.mesh_shape:
+            raise ValueError(
+                f"the runtime already uses mesh {_runtime.mesh_shape}; restart the process to use {mesh_shape}"
+            )
+        return _runtime
+
+
+def runtime_started() -> bool:
+    return _runtime is not None
