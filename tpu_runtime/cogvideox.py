@@ -85,6 +85,7 @@ class StageTimings:
     compile: dict[str, float] = field(default_factory=dict)
     run: dict[str, float] = field(default_factory=dict)
     compiles: dict[str, int] = field(default_factory=dict)
+    cache_hits: dict[str, int] = field(default_factory=dict)
 
 
 # --- model folder --------------------------------------------------------------------------------------------
@@ -219,6 +220,7 @@ class CogVideoXFamily:
             from diffusers import CogVideoXTransformer3DModel
 
             part = CogVideoXTransformer3DModel.from_pretrained(self.path / "transformer", torch_dtype=self.dtype).eval()
+            part.set_attn_processor(CogVideoXFunctionalAttnProcessor())
         elif name == "vae":
             from diffusers import AutoencoderKLCogVideoX
 
@@ -489,7 +491,9 @@ class CogVideoXFamily:
         start = time.perf_counter()
         program = self.runtime.compiled((FAMILY, stage, self.signature, key), fn, *example, describe=describe)
         self.timings.compile[stage] = self.timings.compile.get(stage, 0.0) + time.perf_counter() - start
-        self.timings.compiles[stage] = self.timings.compiles.get(stage, 0) + compile_stats().since(before).xla_compiles
+        delta = compile_stats().since(before)
+        self.timings.compiles[stage] = self.timings.compiles.get(stage, 0) + delta.xla_compiles
+        self.timings.cache_hits[stage] = self.timings.cache_hits.get(stage, 0) + delta.persistent_cache_hits
         return program
 
     def _record_run(self, stage: str, start: float) -> None:
@@ -556,6 +560,44 @@ def step_coefficients(scheduler, timesteps: torch.Tensor, guidance: float, dynam
         coeffs.append(np.array([float(v) for v in values], dtype=np.float32))
         second.append(draw2)
     return StepPlan(coeffs, second)
+
+
+# --- transformer attention -------------------------------------------------------------------------------------
+class CogVideoXFunctionalAttnProcessor:
+    """CogVideoX joint text+video attention, as diffusers' CogVideoXAttnProcessor2_0 computes it, but with RoPE
+    applied by concatenation instead of writing into a slice of q/k in place.
+
+    Why: XLA:CPU (jaxlib 0.10.2) miscompiles the in-place form (a scatter or dynamic-update-slice into the
+    layer-normed, head-transposed q) followed by attention at batch 1, i.e. sampling without CFG: errors of
+    order 1 while the same program run op by op is exact. The concatenated form is exact and, on TPU, avoids an
+    in-place update of a large activation.
+    """
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states, attention_mask=None, image_rotary_emb=None):
+        import torch.nn.functional as F
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        text_len = encoder_hidden_states.size(1)
+        x = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        batch, length, _ = x.shape
+        if attention_mask is not None:
+            attention_mask = attn.prepare_attention_mask(attention_mask, length, batch)
+            attention_mask = attention_mask.view(batch, attn.heads, -1, attention_mask.shape[-1])
+        q, k, v = attn.to_q(x), attn.to_k(x), attn.to_v(x)
+        head_dim = k.shape[-1] // attn.heads
+        q, k, v = (t.view(batch, -1, attn.heads, head_dim).transpose(1, 2) for t in (q, k, v))
+        if attn.norm_q is not None:
+            q = attn.norm_q(q)
+        if attn.norm_k is not None:
+            k = attn.norm_k(k)
+        if image_rotary_emb is not None:
+            q = torch.cat([q[:, :, :text_len], apply_rotary_emb(q[:, :, text_len:], image_rotary_emb)], dim=2)
+            if not attn.is_cross_attention:
+                k = torch.cat([k[:, :, :text_len], apply_rotary_emb(k[:, :, text_len:], image_rotary_emb)], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=0.0, is_causal=False)
+        out = out.transpose(1, 2).reshape(batch, -1, attn.heads * head_dim)
+        out = attn.to_out[1](attn.to_out[0](out))
+        return out[:, text_len:], out[:, :text_len]
 
 
 # --- VAE adjustments for XLA -----------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Hashable
@@ -117,6 +118,8 @@ class Runtime:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
         _install_compile_listeners()
+        # torch code asks for int64/float64; JAX without x64 uses int32/float32, which is what we want.
+        warnings.filterwarnings("ignore", message="Explicitly requested dtype (int64|float64)")
 
         self.torchax = import_torchax()
         self.env = self.torchax.default_env()
@@ -175,11 +178,18 @@ class Runtime:
 
     @staticmethod
     def to_cpu(value: Any) -> Any:
-        """Bring jax arrays (any pytree of them) back as CPU torch tensors."""
+        """Bring jax arrays (any pytree of them) back as CPU torch tensors (copies, writable)."""
         import jax
-        from torchax.ops.mappings import j2t
 
-        return jax.tree_util.tree_map(lambda x: j2t(x, use_dlpack=False) if isinstance(x, jax.Array) else x, value)
+        def to_torch(x):
+            if not isinstance(x, jax.Array):
+                return x
+            array = np.array(x)
+            if array.dtype.name == "bfloat16":
+                return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+            return torch.from_numpy(array)
+
+        return jax.tree_util.tree_map(to_torch, value)
 
     # --- torch modules as jax functions -----------------------------------------------------------------------
     def module_state(self, module: torch.nn.Module) -> dict[str, Any]:

@@ -1,0 +1,17 @@
+"""TPU video nodes: a ComfyUI custom node pack running CogVideoX on TPU (and any JAX backend) through torchax.
+
+ComfyUI imports this file at start-up. It only registers node classes: no device is touched until a node runs.
+"""
+
+import os
+import sys
+
+# The engine is imported as `tpu_runtime` everywhere (one module, one runtime). When ComfyUI loads this folder
+# without `pip install`, make that name importable from here.
+_here = os.path.dirname(os.path.abspath(__file__))
+if _here not in sys.path:
+    sys.path.append(_here)
+
+from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
+
+__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]

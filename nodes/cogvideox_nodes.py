@@ -1,0 +1,176 @@
+"""ComfyUI nodes for CogVideoX on TPU/JAX: load, encode text, sample, decode.
+
+Thin adapters: each node checks its inputs and calls ``tpu_runtime``; no model math lives here. Values between
+nodes are CPU torch tensors in small dicts (ComfyUI can hold and cache them); device buffers stay in the runtime.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+log = logging.getLogger(__name__)
+
+CATEGORY = "TPU video/CogVideoX"
+MODEL_TYPE = "TPU_COGVIDEOX_MODEL"
+EMBEDS_TYPE = "TPU_COGVIDEOX_EMBEDS"
+
+_models: dict[tuple[str, str], object] = {}
+_models_lock = threading.Lock()
+
+
+def load_family(model_path: str, dtype: str):
+    """Load (or reuse) a CogVideoX model; the same folder and dtype share one copy of the weights on device."""
+    from tpu_runtime.cogvideox import CogVideoXFamily, resolve_model_path
+
+    key = (str(resolve_model_path(model_path.strip())), dtype)
+    with _models_lock:
+        family = _models.get(key)
+        if family is None:
+            family = CogVideoXFamily(key[0], dtype=dtype)
+            _models[key] = family
+        return family
+
+
+def unload_all() -> None:
+    """Release every loaded model's device buffers."""
+    with _models_lock:
+        for family in _models.values():
+            family.release()
+        _models.clear()
+
+
+class TPUCogVideoXLoader:
+    """Point at a diffusers CogVideoX folder; weights load onto the devices the first time a stage needs them."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model_path": ("STRING", {"default": "", "tooltip": "diffusers CogVideoX folder (model_index.json)"}),
+                "dtype": (["auto", "bfloat16", "float32"], {"default": "auto",
+                          "tooltip": "auto: bfloat16 on TPU/GPU, float32 on CPU"}),
+            }
+        }
+
+    RETURN_TYPES = (MODEL_TYPE,)
+    RETURN_NAMES = ("model",)
+    FUNCTION = "load"
+    CATEGORY = CATEGORY
+    DESCRIPTION = "Loads a CogVideoX text-to-video model (2b, 5b or 1.5) for the TPU/JAX runtime."
+
+    def load(self, model_path: str, dtype: str):
+        return (load_family(model_path, dtype),)
+
+
+class TPUCogVideoXTextEncode:
+    """T5 embeddings for a prompt and a negative prompt."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": (MODEL_TYPE,),
+                "prompt": ("STRING", {"multiline": True, "default": ""}),
+                "negative_prompt": ("STRING", {"multiline": True, "default": ""}),
+            }
+        }
+
+    RETURN_TYPES = (EMBEDS_TYPE,)
+    RETURN_NAMES = ("embeds",)
+    FUNCTION = "encode"
+    CATEGORY = CATEGORY
+
+    def encode(self, model, prompt: str, negative_prompt: str):
+        return (model.encode(prompt, negative_prompt),)
+
+
+class TPUCogVideoXSampler:
+    """Denoise a video latent: one compiled program per shape, reused for every step and every seed."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": (MODEL_TYPE,),
+                "embeds": (EMBEDS_TYPE,),
+                "width": ("INT", {"default": 720, "min": 16, "max": 4096, "step": 16}),
+                "height": ("INT", {"default": 480, "min": 16, "max": 4096, "step": 16}),
+                "frames": ("INT", {"default": 49, "min": 1, "max": 1024, "step": 1,
+                           "tooltip": "8N+1 for 2b/5b (49 native), 16N+1 for 1.5 (81 native)"}),
+                "steps": ("INT", {"default": 50, "min": 1, "max": 1000}),
+                "guidance": ("FLOAT", {"default": 6.0, "min": 0.0, "max": 30.0, "step": 0.1}),
+                "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF}),
+                "scheduler": (["model default", "ddim", "dpm"], {"default": "model default"}),
+                "dynamic_cfg": ("BOOLEAN", {"default": False}),
+            }
+        }
+
+    RETURN_TYPES = ("LATENT",)
+    RETURN_NAMES = ("samples",)
+    FUNCTION = "sample"
+    CATEGORY = CATEGORY
+
+    def sample(self, model, embeds, width, height, frames, steps, guidance, seed, scheduler, dynamic_cfg):
+        from tpu_runtime.cogvideox import SampleSettings
+
+        from .comfy_bridge import interrupt_requested, progress_bar, raise_if_interrupted
+
+        settings = SampleSettings(height, width, frames, steps, guidance, seed,
+                                  None if scheduler == "model default" else scheduler, dynamic_cfg)
+        bar = progress_bar(steps)
+
+        def on_step(i, total):
+            if bar is not None:
+                bar.update_absolute(i, total)
+
+        try:
+            latents = model.sample(embeds, settings, on_step=on_step, should_stop=interrupt_requested)
+        except Exception:
+            raise_if_interrupted()  # a cancelled prompt is reported as cancelled, not as an error
+            raise
+        return ({"samples": latents.latents, "tpu_video": latents},)
+
+
+class TPUCogVideoXDecode:
+    """VAE decode to an IMAGE batch [frames, H, W, 3] for ComfyUI's CreateVideo / SaveVideo."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": (MODEL_TYPE,),
+                "samples": ("LATENT",),
+                "tiling": ("BOOLEAN", {"default": False, "tooltip": "spatial tiles, for large frames"}),
+            }
+        }
+
+    RETURN_TYPES = ("IMAGE",)
+    RETURN_NAMES = ("frames",)
+    FUNCTION = "decode"
+    CATEGORY = CATEGORY
+
+    def decode(self, model, samples, tiling):
+        from tpu_runtime.cogvideox import VideoLatents
+        from tpu_runtime.errors import StageFileError
+
+        info = samples.get("tpu_video")
+        if not isinstance(info, VideoLatents):
+            raise StageFileError("these latents did not come from the TPU CogVideoX sampler: connect its output")
+        latents = VideoLatents(samples["samples"], info.height, info.width, info.num_frames, info.model_signature)
+        return (model.decode(latents, tiling=tiling),)
+
+
+NODE_CLASS_MAPPINGS = {
+    "TPUCogVideoXLoader": TPUCogVideoXLoader,
+    "TPUCogVideoXTextEncode": TPUCogVideoXTextEncode,
+    "TPUCogVideoXSampler": TPUCogVideoXSampler,
+    "TPUCogVideoXDecode": TPUCogVideoXDecode,
+}
+
+NODE_DISPLAY_NAME_MAPPINGS = {
+    "TPUCogVideoXLoader": "CogVideoX Loader (TPU)",
+    "TPUCogVideoXTextEncode": "CogVideoX Text Encode (TPU)",
+    "TPUCogVideoXSampler": "CogVideoX Sampler (TPU)",
+    "TPUCogVideoXDecode": "CogVideoX Decode (TPU)",
+}

@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny random-weight CogVideoX folders (all three generations), built once per session.
+
+JAX runs on CPU in tests: JAX_PLATFORMS is set before anything imports jax. The persistent compilation cache
+goes to a per-session temporary folder so tests never read a cache left by an earlier run.
+"""
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+_SESSION_CACHE = tempfile.mkdtemp(prefix="tpu_video_test_cache_")
+os.environ["TPU_VIDEO_CACHE_DIR"] = _SESSION_CACHE
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import pytest  # noqa: E402
+
+PROMPT = "a panda playing a guitar"
+NEGATIVE = "blurry, low quality"
+# Small sizes per generation: frames follow each generation's rule; 1.5 gets an odd latent frame count (5) so the
+# padding frame is exercised.
+SIZES = {"2b": (64, 96, 9), "5b": (64, 96, 9), "1.5": (64, 64, 17)}
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    from tpu_runtime.tiny import GENERATIONS, build_tiny_cogvideox
+
+    base = tmp_path_factory.mktemp("tiny_models")
+    return {g: build_tiny_cogvideox(base / f"cogvideox_{g}", g, seed=1) for g in GENERATIONS}
+
+
+@pytest.fixture(scope="session")
+def runtime():
+    from tpu_runtime.runtime import get_runtime
+
+    return get_runtime()
+
+
+def subprocess_env(**extra):
+    """Environment for a child process running the CLI from this checkout on CPU."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["JAX_PLATFORMS"] = "cpu"
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
