@@ -10,7 +10,7 @@ import torch
 def load_pipeline(folder: str):
     from diffusers import CogVideoXPipeline
 
-    return CogVideoXPipeline.from_pretrained(folder, torch_dtype=torch.float32)
+    return CogVideoXPipeline.from_pretrained(folder, dtype=torch.float32)
 
 
 def diffusers_frames(folder, prompt, negative, height, width, frames, steps, guidance, seed,

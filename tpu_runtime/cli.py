@@ -1,9 +1,10 @@
-"""``python -m tpu_runtime generate|demo``: the staged pipeline from the command line.
+"""``python -m tpu_runtime generate|demo|bench``: the staged pipeline from the command line.
 
 generate  runs encode → sample → decode (or one of them, from the files of the stage before) and writes
           generation_config.json, stage1_embeddings.safetensors, stage2_latents.safetensors, frames.safetensors
           and output_video.mp4 into --output-dir.
 demo      builds a tiny random-weight CogVideoX model on the spot and runs generate on it.
+bench     times every stage and counts compiles against diffusers eager on the same weights (see bench.py).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def generate(req: GenerateRequest, family=None) -> dict:
     height, width, frames = req.height or native_h, req.width or native_w, req.frames or native_f
     if req.stage == "decode":
         latents = sf.load_latents(out)
+        family.check_made_here(latents)
         for name, asked, saved in (("height", req.height, latents.height), ("width", req.width, latents.width),
                                    ("frames", req.frames, latents.num_frames)):
             if asked is not None and asked != saved:
@@ -183,9 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate_args(demo, demo=True)
     demo.add_argument("--generation", choices=["2b", "5b", "1.5"], default="2b")
     demo.add_argument("--prompt", default="a panda playing a guitar in a bamboo forest at sunset")
+    from . import bench
+
+    bench.add_args(sub.add_parser("bench", help="time stages, count compiles, compare with diffusers eager"))
     args = parser.parse_args(argv)
 
-    logging.basicConfig(level=logging.INFO if args.verbose or args.command == "demo" else logging.WARNING,
+    verbose = getattr(args, "verbose", False)
+    logging.basicConfig(level=logging.INFO if verbose or args.command == "demo" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("tpu_runtime").setLevel(logging.INFO)
     from .errors import InputError
@@ -193,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "demo":
             return _demo(args)
+        if args.command == "bench":
+            return bench.main(args)
         req = _request(args)
         config = generate(req)
         print_summary(config, req.stage)

@@ -86,6 +86,7 @@ class StageTimings:
     run: dict[str, float] = field(default_factory=dict)
     compiles: dict[str, int] = field(default_factory=dict)
     cache_hits: dict[str, int] = field(default_factory=dict)
+    programs: dict[str, object] = field(default_factory=dict)  # each stage's latest CompiledProgram (time, memory)
 
 
 # --- model folder --------------------------------------------------------------------------------------------
@@ -219,12 +220,12 @@ class CogVideoXFamily:
         elif name == "transformer":
             from diffusers import CogVideoXTransformer3DModel
 
-            part = CogVideoXTransformer3DModel.from_pretrained(self.path / "transformer", torch_dtype=self.dtype).eval()
+            part = CogVideoXTransformer3DModel.from_pretrained(self.path / "transformer", dtype=self.dtype).eval()
             part.set_attn_processor(CogVideoXFunctionalAttnProcessor())
         elif name == "vae":
             from diffusers import AutoencoderKLCogVideoX
 
-            part = AutoencoderKLCogVideoX.from_pretrained(self.path / "vae", torch_dtype=self.dtype).eval()
+            part = AutoencoderKLCogVideoX.from_pretrained(self.path / "vae", dtype=self.dtype).eval()
         else:
             raise KeyError(name)
         if isinstance(part, torch.nn.Module):
@@ -278,6 +279,16 @@ class CogVideoXFamily:
             )
         if problems:
             raise InputError("; ".join(problems))
+
+    def check_made_here(self, value: "TextEmbeddings | VideoLatents") -> None:
+        """Refuse embeddings or latents that a model of another architecture made."""
+        if value.model_signature == self.signature:
+            return
+        if isinstance(value, TextEmbeddings):
+            raise StageFileError("the text embeddings were made by a different model than the one sampling: "
+                                 "re-run the text encode stage with this model")
+        raise StageFileError("the latents were sampled by a different model than the one decoding: decode with "
+                             "the model that sampled them, or re-run sampling")
 
     # --- stage 1: text -----------------------------------------------------------------------------------------
     def tokenize(self, texts: list[str]) -> torch.Tensor:
@@ -363,11 +374,7 @@ class CogVideoXFamily:
         self.validate(s.height, s.width, s.num_frames)
         if not isinstance(s.steps, int) or s.steps < 1:
             raise InputError(f"steps={s.steps} must be a positive whole number (50 is the usual choice)")
-        if embeddings.model_signature != self.signature:
-            raise StageFileError(
-                "the text embeddings were made by a different model than the one sampling: re-run the text "
-                "encode stage with this model"
-            )
+        self.check_made_here(embeddings)
         expected = (1, self.text_len, int(self.transformer_config["text_embed_dim"]))
         if tuple(embeddings.prompt_embeds.shape) != expected:
             raise StageFileError(
@@ -451,11 +458,7 @@ class CogVideoXFamily:
 
         if group_norm not in GROUP_NORMS:
             raise InputError(f"group_norm must be one of {GROUP_NORMS}, got {group_norm!r}")
-        if latents.model_signature != self.signature:
-            raise StageFileError(
-                "the latents were sampled by a different model than the one decoding: decode with the model "
-                "that sampled them, or re-run sampling"
-            )
+        self.check_made_here(latents)
         z = latents.latents
         channels = int(self.vae_config["latent_channels"])
         if z.ndim != 5 or z.shape[0] != 1 or z.shape[1] != channels:
@@ -489,7 +492,9 @@ class CogVideoXFamily:
 
         before = compile_stats()
         start = time.perf_counter()
-        program = self.runtime.compiled((FAMILY, stage, self.signature, key), fn, *example, describe=describe)
+        full_key = (FAMILY, stage, self.signature, key)
+        program = self.runtime.compiled(full_key, fn, *example, describe=describe)
+        self.timings.programs[stage] = self.runtime.program_info(full_key)
         self.timings.compile[stage] = self.timings.compile.get(stage, 0.0) + time.perf_counter() - start
         delta = compile_stats().since(before)
         self.timings.compiles[stage] = self.timings.compiles.get(stage, 0) + delta.xla_compiles

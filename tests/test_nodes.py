@@ -1,0 +1,109 @@
+"""The pack loads the way ComfyUI loads it, and the node chain makes the same frames as diffusers."""
+
+import importlib.util
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import NEGATIVE, PROMPT, ROOT
+from oracle import diffusers_frames
+
+from tpu_runtime.errors import Interrupted
+
+EXPECTED = {
+    "TPUCogVideoXLoader": ("TPU_COGVIDEOX_MODEL",),
+    "TPUCogVideoXTextEncode": ("TPU_COGVIDEOX_EMBEDS",),
+    "TPUCogVideoXSampler": ("LATENT",),
+    "TPUCogVideoXDecode": ("IMAGE",),
+}
+
+
+@pytest.fixture(scope="module")
+def pack():
+    """Import the folder as ComfyUI does: a module spec on its __init__.py under a name of the folder's."""
+    name = "tpu_video_nodes_under_test"
+    spec = importlib.util.spec_from_file_location(name, ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pack_registers_nodes(pack):
+    assert set(pack.NODE_CLASS_MAPPINGS) == set(EXPECTED)
+    assert set(pack.NODE_DISPLAY_NAME_MAPPINGS) == set(EXPECTED)
+    for key, cls in pack.NODE_CLASS_MAPPINGS.items():
+        assert cls.RETURN_TYPES == EXPECTED[key]
+        assert cls.CATEGORY == "TPU video/CogVideoX"
+        assert callable(getattr(cls, cls.FUNCTION))
+        inputs = cls.INPUT_TYPES()
+        assert "required" in inputs
+        for spec in inputs["required"].values():
+            assert isinstance(spec, tuple) and spec
+        assert "(TPU)" in pack.NODE_DISPLAY_NAME_MAPPINGS[key]
+
+
+def test_import_touches_no_device():
+    """ComfyUI imports every pack at start-up: importing ours must not start JAX or torchax."""
+    import subprocess
+
+    code = (
+        "import importlib.util, sys;"
+        f"spec = importlib.util.spec_from_file_location('p', r'{ROOT / '__init__.py'}', "
+        f"submodule_search_locations=[r'{ROOT}']);"
+        "m = importlib.util.module_from_spec(spec); sys.modules['p'] = m; spec.loader.exec_module(m);"
+        "print(len(m.NODE_CLASS_MAPPINGS), 'jax' in sys.modules, 'torchax' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["4", "False", "False"]
+
+
+def _run_chain(pack, model_dir, steps=3, seed=4, **sampler_overrides):
+    m = pack.NODE_CLASS_MAPPINGS
+    (model,) = m["TPUCogVideoXLoader"]().load(str(model_dir), "float32")
+    (embeds,) = m["TPUCogVideoXTextEncode"]().encode(model, PROMPT, NEGATIVE)
+    kwargs = dict(width=96, height=64, frames=9, steps=steps, guidance=6.0, seed=seed, scheduler="model default",
+                  dynamic_cfg=False)
+    kwargs.update(sampler_overrides)
+    (latent,) = m["TPUCogVideoXSampler"]().sample(model, embeds, **kwargs)
+    (image,) = m["TPUCogVideoXDecode"]().decode(model, latent, tiling=False)
+    return model, latent, image
+
+
+def test_node_chain_matches_diffusers(pack, tiny_models):
+    model, latent, image = _run_chain(pack, tiny_models["5b"])
+    assert latent["samples"].shape == (1, 4, 3, 8, 12)  # ComfyUI LATENT: [B, C, T, H/8, W/8]
+    assert image.dtype == torch.float32 and image.shape == (9, 64, 96, 3)
+    assert 0.0 <= float(image.min()) and float(image.max()) <= 1.0
+    ref = diffusers_frames(tiny_models["5b"], PROMPT, NEGATIVE, 64, 96, 9, 3, 6.0, 4)
+    assert np.abs(image.numpy() - ref).max() < 1e-4
+    # Loading the same folder again reuses the loaded model (and its device buffers).
+    (again,) = pack.NODE_CLASS_MAPPINGS["TPUCogVideoXLoader"]().load(str(tiny_models["5b"]), "float32")
+    assert again is model
+
+
+def test_interrupt_stops_between_steps_and_next_run_is_correct(pack, tiny_models):
+    m = pack.NODE_CLASS_MAPPINGS
+    (model,) = m["TPUCogVideoXLoader"]().load(str(tiny_models["2b"]), "float32")
+    (embeds,) = m["TPUCogVideoXTextEncode"]().encode(model, PROMPT, NEGATIVE)
+    from tpu_runtime.cogvideox import SampleSettings
+
+    seen = []
+    with pytest.raises(Interrupted, match="before step 3 of 5"):
+        model.sample(embeds, SampleSettings(64, 96, 9, steps=5, guidance=6.0, seed=4),
+                     on_step=lambda i, n: seen.append(i), should_stop=lambda: len(seen) >= 2)
+    assert seen == [1, 2]
+    _, _, image = _run_chain(pack, tiny_models["2b"])
+    ref = diffusers_frames(tiny_models["2b"], PROMPT, NEGATIVE, 64, 96, 9, 3, 6.0, 4)
+    assert np.abs(image.numpy() - ref).max() < 1e-4
+
+
+def test_decode_refuses_foreign_latent(pack, tiny_models):
+    from tpu_runtime.errors import StageFileError
+
+    m = pack.NODE_CLASS_MAPPINGS
+    (model,) = m["TPUCogVideoXLoader"]().load(str(tiny_models["2b"]), "float32")
+    with pytest.raises(StageFileError, match="did not come from the TPU CogVideoX sampler"):
+        m["TPUCogVideoXDecode"]().decode(model, {"samples": torch.zeros(1, 4, 3, 8, 12)}, tiling=False)
