@@ -420,17 +420,15 @@ class CogVideoXFamily:
         rope = self._rotary_embeddings(s.height, s.width, shape[1])
         rope_dev = put(rope) if rope is not None else None
         latents_dev = put(latents)
-        zeros = put(torch.zeros(shape, dtype=torch.float32))
-        old_x0 = zeros
+        noise_zero = put(torch.zeros(shape, dtype=self.dtype))  # DDIM adds no noise (its coefficient D is 0)
+        old_x0 = put(torch.zeros(shape, dtype=torch.float32))  # no previous x0 before the first step (Q is 0)
         example = (state, latents_dev, embeds_dev, put(torch.zeros((1,), dtype=torch.int32)),
-                   put(torch.zeros((len(_COEFFS),), dtype=torch.float32)),
-                   put(torch.zeros(shape, dtype=self.dtype)), zeros, rope_dev)
+                   put(torch.zeros((len(_COEFFS),), dtype=torch.float32)), noise_zero, old_x0, rope_dev)
         key = (self.generation, self.dtype_name, cfg, shape, tuple(embeds.shape))
         program = self._compile("sample", step_fn, key, *example,
                                 describe=f"sampler step for {s.num_frames}x{s.height}x{s.width} "
                                 f"({'CFG batch 2' if cfg else 'no CFG'})")
         start = time.perf_counter()
-        noise_zero = put(torch.zeros(shape, dtype=self.dtype))
         for i, t in enumerate(timesteps):
             if should_stop is not None and should_stop():
                 raise Interrupted(f"sampling interrupted before step {i + 1} of {len(timesteps)}")
