@@ -42,6 +42,25 @@ class GenerateRequest:
     vae_tiling: bool = False
     group_norm: str = "stock"
     cache_dir: str | None = None
+    mesh: str | None = None
+    attention: str = "auto"
+    block_q: int = 3328
+    block_kv: int = 2816
+    block_kv_compute: int = 256
+    exp2: bool = False
+    fsdp: bool = False
+    vae_sharding: str = "replicated"
+
+    def attention_config(self):
+        from .attention import AttentionConfig
+
+        try:
+            return AttentionConfig(impl=self.attention, block_q=self.block_q, block_kv=self.block_kv,
+                                   block_kv_compute=self.block_kv_compute, exp2=self.exp2)
+        except ValueError as exc:
+            from .errors import InputError
+
+            raise InputError(str(exc)) from exc
 
 
 def native_size(family) -> tuple[int, int, int]:
@@ -66,7 +85,9 @@ def generate(req: GenerateRequest, family=None) -> dict:
     wall_start = time.perf_counter()
     runtime = get_runtime(cache_dir=req.cache_dir)
     stats_before = compile_stats()
-    family = family or CogVideoXFamily(req.model, dtype=req.dtype, runtime=runtime)
+    family = family or CogVideoXFamily(req.model, dtype=req.dtype, runtime=runtime, mesh=req.mesh,
+                                       attention=req.attention_config(), fsdp=req.fsdp,
+                                       vae_sharding=req.vae_sharding)
 
     native_h, native_w, native_f = native_size(family)
     height, width, frames = req.height or native_h, req.width or native_w, req.frames or native_f
@@ -88,7 +109,7 @@ def generate(req: GenerateRequest, family=None) -> dict:
     config = {
         "model": str(family.path), "model_signature": family.signature, "generation": family.generation,
         "dtype": family.dtype_name, "backend": runtime.backend, "devices": len(runtime.devices),
-        "mesh": runtime.mesh_shape, "height": height, "width": width, "frames": frames, "fps": req.fps,
+        "mesh": str(family.mesh_spec), "attention": family.attention.impl, "height": height, "width": width, "frames": frames, "fps": req.fps,
     }
     if req.stage in ("all", "encode"):
         if not req.prompt:
@@ -165,6 +186,18 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool = False) -> None:
                    help="VAE GroupNorm lowering: torchax's own or one vectorised jnp.var reduction")
     p.add_argument("--cache-dir", help="persistent XLA compilation cache (default: $TPU_VIDEO_CACHE_DIR or "
                    "~/.cache/tpu_video_nodes/xla_cache)")
+    p.add_argument("--mesh", help="device mesh as dp=N,sp=N,tp=N (product = device count; default: CFG batch "
+                   "on dp, heads on tp, e.g. dp=2,sp=1,tp=4 on 8 chips)")
+    p.add_argument("--attention", choices=["auto", "splash", "cudnn", "blockwise", "reference"], default="auto",
+                   help="auto: splash on TPU, cuDNN on GPU, blockwise elsewhere; splash off TPU runs in Pallas "
+                   "interpret mode (slow, for checking)")
+    p.add_argument("--block-q", type=int, default=3328, help="splash query block")
+    p.add_argument("--block-kv", type=int, default=2816, help="splash key/value block")
+    p.add_argument("--block-kv-compute", type=int, default=256, help="splash key/value compute block")
+    p.add_argument("--exp2", action="store_true", help="splash in base-2 form (exp2 kernel)")
+    p.add_argument("--fsdp", action="store_true", help="also split weights without a tensor-parallel rule over dp")
+    p.add_argument("--vae-sharding", choices=["replicated", "width"], default="replicated",
+                   help="width: split the VAE decode over devices along the frame width")
     p.add_argument("--output-dir", required=True)
     p.add_argument("-v", "--verbose", action="store_true")
 

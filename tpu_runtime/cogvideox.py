@@ -29,8 +29,18 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .attention import AttentionConfig, attention_scope
 from .errors import InputError, Interrupted, ModelFolderError, StageFileError
 from .runtime import Runtime, get_runtime
+from .sharding import (
+    COGVIDEOX_TRANSFORMER_RULES,
+    T5_ENCODER_RULES,
+    VAE_RULES,
+    MeshSpec,
+    default_mesh,
+    parse_mesh,
+    validate_mesh,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +48,7 @@ FAMILY = "cogvideox"
 COMPONENTS = ("scheduler", "text_encoder", "tokenizer", "transformer", "vae")
 SCHEDULERS = {"ddim": "CogVideoXDDIMScheduler", "dpm": "CogVideoXDPMScheduler"}
 GROUP_NORMS = ("stock", "jnp_var")
+VAE_SHARDINGS = ("replicated", "width")  # width: split the decode's frame width over all devices (seeds 000/001)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
@@ -183,7 +194,9 @@ def model_signature(folder: Path) -> str:
 class CogVideoXFamily:
     """A loaded CogVideoX model. Components load and move to the devices on first use, once."""
 
-    def __init__(self, path: str | Path, dtype: str = "auto", runtime: Runtime | None = None):
+    def __init__(self, path: str | Path, dtype: str = "auto", runtime: Runtime | None = None,
+                 mesh: "str | dict | MeshSpec | None" = None, attention: "AttentionConfig | str | None" = None,
+                 fsdp: bool = False, vae_sharding: str = "replicated"):
         self.path = resolve_model_path(path)
         self.index = inspect_model_folder(self.path)
         self.runtime = runtime or get_runtime()
@@ -200,6 +213,18 @@ class CogVideoXFamily:
         self.text_len = int(self.transformer_config.get("max_text_seq_length", 226))
         self.vae_scale_spatial = 2 ** (len(self.vae_config["block_out_channels"]) - 1)
         self.vae_scale_temporal = int(self.vae_config.get("temporal_compression_ratio", 4))
+        self.heads = int(self.transformer_config["num_attention_heads"])
+        devices = len(self.runtime.devices)
+        self.mesh_spec = parse_mesh(mesh) or default_mesh(devices, self.heads)
+        validate_mesh(self.mesh_spec, devices, self.heads)
+        self.mesh = self.runtime.make_mesh(self.mesh_spec)
+        if isinstance(attention, str) or attention is None:
+            attention = AttentionConfig(impl=attention or "auto")
+        self.attention = attention.resolve(self.runtime.backend)
+        self.fsdp = bool(fsdp)
+        if vae_sharding not in VAE_SHARDINGS:
+            raise InputError(f"vae_sharding must be one of {VAE_SHARDINGS}, got {vae_sharding!r}")
+        self.vae_sharding = vae_sharding
         self.timings = StageTimings()
         self._parts: dict[str, object] = {}
         self._states: dict[str, dict] = {}
@@ -230,7 +255,8 @@ class CogVideoXFamily:
             raise KeyError(name)
         if isinstance(part, torch.nn.Module):
             part.requires_grad_(False)
-            self._states[name] = self.runtime.module_state(part)
+            rules = {"text_encoder": T5_ENCODER_RULES, "transformer": COGVIDEOX_TRANSFORMER_RULES}.get(name, VAE_RULES)
+            self._states[name] = self.runtime.module_state(part, self.mesh, rules, fsdp=self.fsdp)
             # The device copy is the one used from now on; free the host copy (real models are many GB).
             part.to("meta")
         self._parts[name] = part
@@ -315,7 +341,7 @@ class CogVideoXFamily:
         def encode_fn(state, ids):
             return encoder_fn(state, ids)[0].astype(_jax_dtype(dtype))
 
-        ids_dev = self.runtime.put(ids.to(torch.int32))
+        ids_dev = self.runtime.put(ids.to(torch.int32), self.runtime.sharding(self.mesh))
         program = self._compile("encode", encode_fn, (self.dtype_name, tuple(ids.shape)), state, ids_dev,
                                 describe=f"T5 text encoder for {ids.shape[1]} tokens")
         start = time.perf_counter()
@@ -368,6 +394,7 @@ class CogVideoXFamily:
         should_stop: Callable[[], bool] | None = None,
     ) -> VideoLatents:
         """Denoise from seeded noise; ``on_step(i, total)`` after each step, ``should_stop()`` before each."""
+        import jax
         import jax.numpy as jnp
 
         s = settings
@@ -384,6 +411,7 @@ class CogVideoXFamily:
         scheduler = self.scheduler(s.scheduler)
         stochastic = type(scheduler).__name__ == SCHEDULERS["dpm"]
         cfg = s.guidance > 1.0
+        validate_mesh(self.mesh_spec, len(self.runtime.devices), self.heads, batch=2 if cfg else 1)
         shape, pad = self.latent_shape(s.height, s.width, s.num_frames)
 
         # Random draws, on CPU, in diffusers' order: the initial noise, then (DPM) the noise of every step.
@@ -401,8 +429,12 @@ class CogVideoXFamily:
         state = self._states["transformer"]
         model_dtype = _jax_dtype(self.dtype)
 
+        batch_sharding = self.runtime.sharding(self.mesh, ("dp",))
+        replicated = self.runtime.sharding(self.mesh)
+
         def step_fn(state, latents, embeds, timestep, coeffs, noise, old_x0, rope):
             x = jnp.concatenate([latents, latents]) if cfg else latents
+            x = jax.lax.with_sharding_constraint(x, batch_sharding)  # CFG's two halves on dp
             t = jnp.broadcast_to(timestep, (x.shape[0],))
             out = transformer_fn(state, x, embeds, t, image_rotary_emb=rope, return_dict=False)[0]
             out = out.astype(jnp.float32)
@@ -412,11 +444,16 @@ class CogVideoXFamily:
             x0 = (coeffs[_C_SAMPLE] * latents - coeffs[_C_MODEL] * out) / coeffs[_C_DIV]
             prev = coeffs[_A] * latents - coeffs[_M1] * (coeffs[_P] * x0 - coeffs[_Q] * old_x0)
             prev = prev + coeffs[_D] * noise
-            return prev.astype(model_dtype), x0
+            # Outputs come back as the next step's inputs: keep them where the inputs are (replicated).
+            return (jax.lax.with_sharding_constraint(prev.astype(model_dtype), replicated),
+                    jax.lax.with_sharding_constraint(x0, replicated))
 
-        put = self.runtime.put
+
+        def put(value, sharding=replicated):
+            return self.runtime.put(value, sharding)
+
         embeds = torch.cat([embeddings.negative_prompt_embeds, embeddings.prompt_embeds]) if cfg else embeddings.prompt_embeds
-        embeds_dev = put(embeds.to(self.dtype))
+        embeds_dev = put(embeds.to(self.dtype), batch_sharding)
         rope = self._rotary_embeddings(s.height, s.width, shape[1])
         rope_dev = put(rope) if rope is not None else None
         latents_dev = put(latents)
@@ -424,10 +461,12 @@ class CogVideoXFamily:
         old_x0 = put(torch.zeros(shape, dtype=torch.float32))  # no previous x0 before the first step (Q is 0)
         example = (state, latents_dev, embeds_dev, put(torch.zeros((1,), dtype=torch.int32)),
                    put(torch.zeros((len(_COEFFS),), dtype=torch.float32)), noise_zero, old_x0, rope_dev)
-        key = (self.generation, self.dtype_name, cfg, shape, tuple(embeds.shape))
-        program = self._compile("sample", step_fn, key, *example,
-                                describe=f"sampler step for {s.num_frames}x{s.height}x{s.width} "
-                                f"({'CFG batch 2' if cfg else 'no CFG'})")
+        key = (self.generation, self.dtype_name, cfg, shape, tuple(embeds.shape), self.attention)
+        with attention_scope(self.attention, self.mesh):
+            program = self._compile("sample", step_fn, key, *example,
+                                    describe=f"sampler step for {s.num_frames}x{s.height}x{s.width} "
+                                    f"({'CFG batch 2' if cfg else 'no CFG'}, mesh {self.mesh_spec}, "
+                                    f"{self.attention.impl} attention)")
         start = time.perf_counter()
         for i, t in enumerate(timesteps):
             if should_stop is not None and should_stop():
@@ -475,8 +514,9 @@ class CogVideoXFamily:
                 video = jnp.clip(video * 0.5 + 0.5, 0.0, 1.0)
                 return jnp.transpose(video[0], (1, 2, 3, 0)).astype(jnp.float32)
 
-            z_dev = self.runtime.put(z.to(self.dtype))
-            key = (self.dtype_name, tuple(z.shape), bool(tiling), group_norm)
+            z_sharding = self.runtime.sharding(self.mesh, self._vae_input_spec(z.shape))
+            z_dev = self.runtime.put(z.to(self.dtype), z_sharding)
+            key = (self.dtype_name, tuple(z.shape), bool(tiling), group_norm, self.vae_sharding)
             program = self._compile("decode", frames_fn, key, state, z_dev,
                                     describe=f"VAE decode for {latents.num_frames}x{latents.height}x{latents.width}")
         start = time.perf_counter()
@@ -484,13 +524,22 @@ class CogVideoXFamily:
         self._record_run("decode", start)
         return frames
 
+    def _vae_input_spec(self, shape) -> tuple:
+        """``width``: latents [B, C, T, H, W] split on W over every mesh axis that divides it (XLA adds the conv
+        halos); otherwise replicated."""
+        if self.vae_sharding != "width":
+            return ()
+        axes = tuple(a for a, n in self.mesh.shape.items() if n > 1)
+        devices = self.mesh_spec.devices
+        return (None, None, None, None, axes) if axes and shape[-1] % devices == 0 else ()
+
     # --- helpers -----------------------------------------------------------------------------------------------
     def _compile(self, stage: str, fn, key, *example, describe: str):
         from .runtime import compile_stats
 
         before = compile_stats()
         start = time.perf_counter()
-        full_key = (FAMILY, stage, self.signature, key)
+        full_key = (FAMILY, stage, self.signature, key, self.mesh_spec.sizes, self.fsdp)
         program = self.runtime.compiled(full_key, fn, *example, describe=describe)
         self.timings.programs[stage] = self.runtime.program_info(full_key)
         self.timings.compile[stage] = self.timings.compile.get(stage, 0.0) + time.perf_counter() - start

@@ -21,9 +21,11 @@ from typing import Any, Callable, Hashable
 import numpy as np
 import torch
 
+from .sharding import AXES as MESH_AXES
+from .sharding import MeshSpec
+
 log = logging.getLogger(__name__)
 
-MESH_AXES = ("dp", "sp", "tp")
 CACHE_DIR_ENV = "TPU_VIDEO_CACHE_DIR"
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
@@ -106,7 +108,7 @@ class CompiledProgram:
 class Runtime:
     """Owns the backend, the device mesh, the torchax environment and the compiled-program table."""
 
-    def __init__(self, cache_dir: str | os.PathLike | None = None, mesh_shape: dict[str, int] | None = None):
+    def __init__(self, cache_dir: str | os.PathLike | None = None):
         import jax
 
         from ._torchax_compat import import_torchax
@@ -125,47 +127,47 @@ class Runtime:
         self.env = self.torchax.default_env()
         self.devices = jax.devices()
         self.backend = jax.default_backend()
-        self.mesh = self._build_mesh(mesh_shape)
+        self._meshes: dict[tuple[int, int, int], Any] = {}
+        self.mesh = self.make_mesh(MeshSpec(tp=len(self.devices)))  # the default for placement without a model
         self._programs: dict[Hashable, CompiledProgram] = {}
         self._lock = threading.RLock()
+        # scaled_dot_product_attention without an L x L score matrix (see attention.py).
+        from .attention import sdpa_override
+
+        self.env.override_op_definition(torch.nn.functional.scaled_dot_product_attention, sdpa_override)
         log.info(
-            "runtime ready: backend=%s, %d device(s) [%s], mesh %s, compilation cache %s",
-            self.backend, len(self.devices), self.devices[0].device_kind,
-            dict(zip(MESH_AXES, self.mesh.devices.shape)), self.cache_dir,
+            "runtime ready: backend=%s, %d device(s) [%s], compilation cache %s",
+            self.backend, len(self.devices), self.devices[0].device_kind, self.cache_dir,
         )
 
     # --- devices and placement -------------------------------------------------------------------------------
-    def _build_mesh(self, mesh_shape: dict[str, int] | None):
+    def make_mesh(self, spec: "MeshSpec"):
+        """The ``jax.sharding.Mesh`` with axes (dp, sp, tp) of ``spec``'s sizes over all devices (cached)."""
         from jax.sharding import Mesh
 
-        n = len(self.devices)
-        shape = dict(mesh_shape or {"dp": 1, "sp": 1, "tp": n})
-        unknown = set(shape) - set(MESH_AXES)
-        if unknown:
-            raise ValueError(f"mesh axes must be among {MESH_AXES}, got {sorted(unknown)}")
-        sizes = tuple(int(shape.get(a, 1)) for a in MESH_AXES)
-        if int(np.prod(sizes)) != n:
-            raise ValueError(
-                f"mesh {dict(zip(MESH_AXES, sizes))} has {int(np.prod(sizes))} devices but this machine has {n}: "
-                "choose sizes whose product is the device count"
+        from .errors import InputError
+
+        if spec.devices != len(self.devices):
+            raise InputError(
+                f"mesh {spec} uses {spec.devices} devices but {len(self.devices)} are available: choose sizes "
+                f"whose product is {len(self.devices)}"
             )
-        return Mesh(np.asarray(self.devices).reshape(sizes), MESH_AXES)
+        if spec.sizes not in self._meshes:
+            self._meshes[spec.sizes] = Mesh(np.asarray(self.devices).reshape(spec.sizes), MESH_AXES)
+        return self._meshes[spec.sizes]
 
-    @property
-    def mesh_shape(self) -> dict[str, int]:
-        return dict(zip(MESH_AXES, self.mesh.devices.shape))
-
-    def replicated(self):
+    @staticmethod
+    def sharding(mesh, spec: tuple = ()):
         from jax.sharding import NamedSharding, PartitionSpec
 
-        return NamedSharding(self.mesh, PartitionSpec())
+        return NamedSharding(mesh, PartitionSpec(*spec))
 
     def put(self, value: Any, sharding=None):
-        """Move CPU torch tensors / numpy arrays (any pytree of them) onto the mesh; replicated unless told."""
+        """Move CPU torch tensors / numpy arrays (any pytree of them) onto the devices; replicated unless told."""
         import jax
         from torchax.ops.mappings import t2j
 
-        sharding = sharding or self.replicated()
+        sharding = sharding or self.sharding(self.mesh)
 
         def to_device(x):
             if isinstance(x, torch.Tensor):
@@ -192,16 +194,21 @@ class Runtime:
         return jax.tree_util.tree_map(to_torch, value)
 
     # --- torch modules as jax functions -----------------------------------------------------------------------
-    def module_state(self, module: torch.nn.Module) -> dict[str, Any]:
-        """The module's parameters and buffers, moved to the devices (replicated)."""
+    def module_state(self, module: torch.nn.Module, mesh=None, rules=(), fsdp: bool = False) -> dict[str, Any]:
+        """The module's parameters and buffers on the devices, each placed by the first matching sharding rule
+        (regex on the name -> PartitionSpec), replicated when none matches."""
+        from .sharding import partition_specs
+
+        mesh = mesh or self.mesh
         # Every name, tied weights included (T5's embeddings), each distinct tensor moved once.
         named = list(module.named_parameters(remove_duplicate=False))
         named += list(module.named_buffers(remove_duplicate=False))
+        specs = partition_specs({n: tuple(t.shape) for n, t in named}, rules, dict(mesh.shape), fsdp)
         moved: dict[int, Any] = {}
         state = {}
         for name, tensor in named:
             if id(tensor) not in moved:
-                moved[id(tensor)] = self.put(tensor.detach())
+                moved[id(tensor)] = self.put(tensor.detach(), self.sharding(mesh, specs[name]))
             state[name] = moved[id(tensor)]
         return state
 
@@ -227,12 +234,12 @@ class Runtime:
     def compiled(self, key: Hashable, fn: Callable, *example_args, describe: str = "", static: dict | None = None):
         """The compiled program for ``key``, compiling ``fn`` on ``example_args`` (arrays or shape structs) once.
 
-        The key must name everything that changes the program: family, stage, static options, shapes, dtypes.
-        The mesh is added here.
+        The key must name everything that changes the program: family, stage, static options, shapes, dtypes,
+        mesh, attention settings. Shardings come from the example arguments.
         """
         import jax
 
-        full_key = (key, tuple(self.mesh.devices.shape), tuple(d.id for d in self.mesh.devices.flat))
+        full_key = key
         with self._lock:
             program = self._programs.get(full_key)
             if program is not None:
@@ -249,8 +256,7 @@ class Runtime:
             return executable
 
     def program_info(self, key: Hashable) -> CompiledProgram | None:
-        full_key = (key, tuple(self.mesh.devices.shape), tuple(d.id for d in self.mesh.devices.flat))
-        return self._programs.get(full_key)
+        return self._programs.get(key)
 
     @property
     def program_count(self) -> int:
@@ -288,21 +294,17 @@ _runtime: Runtime | None = None
 _runtime_lock = threading.Lock()
 
 
-def get_runtime(cache_dir: str | os.PathLike | None = None, mesh_shape: dict[str, int] | None = None) -> Runtime:
-    """The process-wide runtime, created on first call. Later calls may not ask for a different setting."""
+def get_runtime(cache_dir: str | os.PathLike | None = None) -> Runtime:
+    """The process-wide runtime, created on first call. Later calls may not ask for another cache directory."""
     global _runtime
     with _runtime_lock:
         if _runtime is None:
-            _runtime = Runtime(cache_dir=cache_dir, mesh_shape=mesh_shape)
+            _runtime = Runtime(cache_dir=cache_dir)
             return _runtime
         if cache_dir is not None and Path(cache_dir).expanduser() != _runtime.cache_dir:
             raise ValueError(
                 f"the runtime already uses compilation cache {_runtime.cache_dir}; a process has one cache "
                 f"directory, so {cache_dir} cannot be used too: restart to change it"
-            )
-        if mesh_shape is not None and {**{a: 1 for a in MESH_AXES}, **mesh_shape} != _runtime.mesh_shape:
-            raise ValueError(
-                f"the runtime already uses mesh {_runtime.mesh_shape}; restart the process to use {mesh_shape}"
             )
         return _runtime
 

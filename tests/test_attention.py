@@ -1,0 +1,113 @@
+"""Attention without an L×L matrix: splash (Pallas, interpret mode here), its exp2 form and the blockwise path
+equal the reference; masked calls stay correct; the whole model runs through --attention splash."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import NEGATIVE, PROMPT
+from oracle import diffusers_frames
+
+from tpu_runtime import attention as A
+
+
+def _qkv(b=1, h=2, lq=400, lk=400, d=64, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape, dtype=np.float32) for shape in ((b, h, lq, d), (b, h, lk, d), (b, h, lk, d))]
+
+
+@pytest.mark.parametrize("exp2", [False, True])
+@pytest.mark.parametrize("lengths", [(400, 400), (200, 333)])
+def test_splash_interpret_equals_reference(exp2, lengths):
+    import jax.numpy as jnp
+
+    q, k, v = (jnp.asarray(x) for x in _qkv(lq=lengths[0], lk=lengths[1]))
+    # Blocks that do not divide the lengths: the tails are padded and masked with segment ids.
+    config = A.AttentionConfig(impl="splash", block_q=128, block_kv=256, block_kv_compute=128, exp2=exp2)
+    out = A.splash_attention(q, k, v, 0.125, config, interpret=True)
+    ref = A.reference_attention(q, k, v, 0.125)
+    assert out.shape == ref.shape
+    assert float(jnp.abs(out - ref).max()) < 1e-5
+
+
+def test_unmasked_zero_padding_would_be_wrong():
+    """What the segment ids guard against: zero-padded keys without a mask shift the softmax."""
+    import jax.numpy as jnp
+
+    q, k, v = (jnp.asarray(x) for x in _qkv(lq=400, lk=400))
+    kp, vp = A._pad_axis(k, 2, 512), A._pad_axis(v, 2, 512)
+    wrong = A.reference_attention(q, kp, vp, 0.125)
+    assert float(jnp.abs(wrong - A.reference_attention(q, k, v, 0.125)).max()) > 1e-2
+
+
+@pytest.mark.parametrize("chunks", [(128, 128), (96, 160), (1024, 1024)])
+def test_blockwise_equals_reference(chunks):
+    import jax.numpy as jnp
+
+    q, k, v = (jnp.asarray(x) for x in _qkv(b=2, lq=300, lk=450))
+    out = A.blockwise_attention(q, k, v, 0.125, *chunks)
+    assert float(jnp.abs(out - A.reference_attention(q, k, v, 0.125)).max()) < 1e-5
+
+
+def test_block_sizes_fit_the_sequence():
+    config = A.AttentionConfig()
+    assert A.splash_block_sizes(config, 17776, 17776) == (3328, 2816, 256, 19968, 19712)
+    bq, bkv, bkvc, lq, lk = A.splash_block_sizes(config, 88, 88)
+    assert (bq, bkv, bkvc, lq, lk) == (128, 128, 128, 128, 128)
+    with pytest.raises(ValueError, match="multiple of block_kv_compute"):
+        A.AttentionConfig(block_kv=300, block_kv_compute=256)
+    assert A.AttentionConfig().resolve("tpu").impl == "splash"
+    assert A.AttentionConfig().resolve("gpu").impl == "cudnn"
+    assert A.AttentionConfig().resolve("cpu").impl == "blockwise"
+
+
+def test_cudnn_path_falls_back_where_cudnn_is_absent():
+    import jax.numpy as jnp
+
+    q, k, v = (jnp.asarray(x) for x in _qkv(lq=64, lk=64))
+    assert float(jnp.abs(A.cudnn_attention(q, k, v, 0.125) - A.reference_attention(q, k, v, 0.125)).max()) < 1e-5
+
+
+def test_sdpa_override_in_torchax(runtime):
+    """Inside the runtime's torchax environment F.scaled_dot_product_attention takes our paths, masks included."""
+    import jax
+
+    env = runtime.env
+    q, k, v = (torch.from_numpy(x) for x in _qkv(lq=70, lk=90, d=16))
+    mask = torch.randn(1, 2, 70, 90)  # an additive mask (T5-style)
+    bool_mask = torch.rand(1, 2, 70, 90) > 0.3
+    cases = {
+        "plain": dict(),
+        "scale": dict(scale=0.3),
+        "additive": dict(attn_mask=mask),
+        "boolean": dict(attn_mask=bool_mask),
+        "causal": dict(is_causal=True),
+    }
+    for name, kwargs in cases.items():
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k if name != "causal" else k[:, :, :70],
+                                                               v if name != "causal" else v[:, :, :70], **kwargs)
+
+        def run(q, k, v, m, kwargs=kwargs, name=name):
+            q, k, v, m = env.j2t_iso((q, k, v, m))
+            with env:
+                if name == "causal":
+                    k, v = k[:, :, :70], v[:, :, :70]
+                extra = {**kwargs, "attn_mask": m} if "attn_mask" in kwargs else kwargs
+                return env.t2j_iso(torch.nn.functional.scaled_dot_product_attention(q, k, v, **extra))
+
+        m = kwargs.get("attn_mask", torch.zeros(1))
+        out = runtime.to_cpu(jax.jit(run)(*runtime.put((q, k, v, m))))
+        assert (out - ref).abs().max().item() < 1e-5, name
+
+
+def test_full_model_through_splash(tiny_models, tmp_path):
+    from tpu_runtime import stage_files
+    from tpu_runtime.cli import GenerateRequest, generate
+
+    req = GenerateRequest(model=str(tiny_models["5b"]), output_dir=str(tmp_path), prompt=PROMPT,
+                          negative_prompt=NEGATIVE, height=64, width=96, frames=9, steps=2, seed=9, dtype="float32",
+                          attention="splash", block_q=128, block_kv=128, block_kv_compute=128)
+    config = generate(req)
+    assert config["attention"] == "splash"
+    ours = stage_files.load_frames(tmp_path).numpy()
+    ref = diffusers_frames(tiny_models["5b"], PROMPT, NEGATIVE, 64, 96, 9, 2, 6.0, 9)
+    assert np.abs(ours - ref).max() < 1e-4
