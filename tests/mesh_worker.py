@@ -1,0 +1,37 @@
+"""Run in a subprocess with 8 simulated CPU devices: sample + decode on several meshes, report frames and HLO.
+
+usage: python mesh_worker.py MODEL_DIR OUT_NPZ HEIGHT WIDTH MESH [MESH ...]
+"""
+
+import json
+import re
+import sys
+
+import numpy as np
+
+from tpu_runtime.cogvideox import CogVideoXFamily, SampleSettings
+from tpu_runtime.runtime import compile_stats
+
+model, out, height, width, *meshes = sys.argv[1:]
+height, width = int(height), int(width)
+frames, report = {}, {}
+for mesh in meshes:
+    family = CogVideoXFamily(model, dtype="float32", mesh=mesh)
+    emb = family.encode("a panda playing a guitar", "blurry, low quality")
+    settings = SampleSettings(height, width, 9, steps=2, guidance=6.0, seed=4)
+    latents = family.sample(emb, settings)
+    frames[mesh] = family.decode(latents).numpy()
+    before = compile_stats()
+    family.sample(family.encode("another prompt"), SampleSettings(height, width, 9, steps=3, guidance=5.0, seed=8))
+    hlo = family.timings.programs["sample"].executable.as_text()
+    report[mesh] = {
+        "sample_compiles": family.timings.compiles["sample"],
+        "recompiles_second_run": compile_stats().since(before).backend_compiles,
+        "collectives": {op: len(re.findall(rf"= [^\n]*\b{op}(?:-start)?\(", hlo))
+                        for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")},
+        "all_gather_shapes": [[int(n) for n in dims.split(",") if n] for dims in
+                              re.findall(r"= \w+\[([\d,]*)\]\S* all-gather(?:-start)?\(", hlo)],
+        "weight_shapes": sorted({tuple(p.shape) for p in family._parts["transformer"].parameters()}),
+    }
+np.savez(out, **{m.replace(",", "_").replace("=", ""): f for m, f in frames.items()})
+print("REPORT " + json.dumps(report))

@@ -1,0 +1,111 @@
+"""On 8 simulated CPU devices, every mesh gives the single-device frames; invalid meshes fail before compiling;
+the compiled step holds the expected collectives and gathers no sharded weight; one compile per shape and mesh."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import subprocess_env
+
+from tpu_runtime.cogvideox import CogVideoXFamily, SampleSettings
+from tpu_runtime.errors import InputError
+from tpu_runtime.runtime import compile_stats
+from tpu_runtime.sharding import MeshSpec, default_mesh, parse_mesh
+from tpu_runtime.tiny import TinySpec, build_tiny_cogvideox
+
+MESHES = ["dp=1,sp=1,tp=8", "dp=2,sp=1,tp=4", "dp=1,sp=2,tp=4", "dp=2,sp=2,tp=2"]
+
+
+@pytest.fixture(scope="module")
+def eight_head_model(tmp_path_factory):
+    return build_tiny_cogvideox(tmp_path_factory.mktemp("heads8") / "m", "5b", spec=TinySpec("5b", heads=8))
+
+
+def _worker(model, tmp_path, height, width, meshes):
+    out = tmp_path / f"frames_{height}x{width}.npz"
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("mesh_worker.py")), str(model), str(out), str(height),
+         str(width), *meshes],
+        env=subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"), capture_output=True, text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.split("REPORT ", 1)[1])
+    return np.load(out), report
+
+
+def _single_device_frames(model, height, width):
+    family = CogVideoXFamily(model, dtype="float32")
+    emb = family.encode("a panda playing a guitar", "blurry, low quality")
+    return family.decode(family.sample(emb, SampleSettings(height, width, 9, steps=2, guidance=6.0, seed=4))).numpy()
+
+
+def test_meshes_match_single_device(eight_head_model, tmp_path):
+    single = _single_device_frames(eight_head_model, 64, 96)
+    frames, report = _worker(eight_head_model, tmp_path, 64, 96, MESHES)
+    for mesh in MESHES:
+        got = frames[mesh.replace(",", "_").replace("=", "")]
+        assert np.abs(got - single).max() < 1e-4, mesh
+        r = report[mesh]
+        assert r["sample_compiles"] == 1 and r["recompiles_second_run"] == 0, (mesh, r)
+        # Gathers of activations are expected with sp (k/v along the sequence); a gathered weight would not be.
+        weight_shapes = {tuple(shape) for shape in r["weight_shapes"]}
+        gathered_weights = [s for s in r["all_gather_shapes"] if tuple(s) in weight_shapes]
+        assert not gathered_weights, (mesh, gathered_weights)
+        if "sp=1" in mesh:
+            assert r["collectives"]["all-gather"] == 0, (mesh, r["all_gather_shapes"])
+        if "tp=1" not in mesh:
+            # Megatron pattern: one all-reduce after attention and one after the feed-forward per layer.
+            assert r["collectives"]["all-reduce"] >= 2, (mesh, r)
+
+
+def test_sequence_not_divisible_by_sp_is_padded(eight_head_model, tmp_path):
+    # 64x80: 16 text + 3*4*5 video tokens = 76, not a multiple of sp=8 (nor 3 latent frames of 20 patches).
+    single = _single_device_frames(eight_head_model, 64, 80)
+    frames, _ = _worker(eight_head_model, tmp_path, 64, 80, ["dp=1,sp=8,tp=1"])
+    assert np.abs(frames["dp1_sp8_tp1"] - single).max() < 1e-4
+
+
+def test_invalid_meshes_fail_before_compiling(tiny_models, runtime):
+    before = compile_stats()
+    with pytest.raises(InputError, match="mesh dp=2,sp=1,tp=1 uses 2 devices but 1 are available"):
+        CogVideoXFamily(tiny_models["2b"], mesh="dp=2")
+    with pytest.raises(InputError, match="mesh axis 'xp' is not one of"):
+        parse_mesh("xp=2")
+    with pytest.raises(InputError, match="write it as dp=N,sp=N,tp=N"):
+        parse_mesh("dp2")
+    assert compile_stats().since(before).backend_compiles == 0
+
+
+def test_invalid_axes_on_eight_devices(tmp_path):
+    code = r"""
+import sys
+from tpu_runtime.cogvideox import CogVideoXFamily, SampleSettings
+from tpu_runtime.errors import InputError
+from tpu_runtime.runtime import compile_stats
+family = None
+for mesh, guidance in (("dp=1,sp=2,tp=4", 6.0), ("dp=2,sp=2,tp=2", 1.0)):
+    try:
+        family = CogVideoXFamily(sys.argv[1], dtype="float32", mesh=mesh)
+        family.sample(family.encode("a cat"), SampleSettings(64, 64, 9, steps=1, guidance=guidance))
+    except InputError as exc:
+        print("ERR", exc)
+print("COMPILES", compile_stats().xla_compiles - (family.timings.compiles.get("encode", 0) if family else 0))
+"""
+    model = build_tiny_cogvideox(tmp_path / "m", "2b")  # 2 heads
+    proc = subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True, text=True, timeout=600,
+                          env=subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ERR mesh axis tp=4 does not divide the model's 2 attention heads: use tp in [1, 2]" in proc.stdout
+    assert "ERR mesh axis dp=2 does not divide the batch of 1 (no CFG: guidance <= 1): use dp=1" in proc.stdout
+
+
+def test_default_mesh():
+    assert default_mesh(8, 48) == MeshSpec(dp=2, sp=1, tp=4)  # the seed's best for 5b / 1.5 on a v6e-8
+    assert default_mesh(8, 30) == MeshSpec(dp=2, sp=2, tp=2)  # 2b: 30 heads
+    assert default_mesh(1, 30) == MeshSpec()
+    assert default_mesh(4, 48, cfg=False) == MeshSpec(tp=4)
+    assert parse_mesh("dp=2,sp=1,tp=4") == MeshSpec(2, 1, 4) and parse_mesh("auto") is None
