@@ -19,15 +19,15 @@ _models: dict[tuple[str, str], object] = {}
 _models_lock = threading.Lock()
 
 
-def load_family(model_path: str, dtype: str):
-    """Load (or reuse) a CogVideoX model; the same folder and dtype share one copy of the weights on device."""
+def load_family(model_path: str, dtype: str, mesh: str = "auto", attention: str = "auto"):
+    """Load (or reuse) a CogVideoX model; the same folder and settings share one copy of the weights on device."""
     from tpu_runtime.cogvideox import CogVideoXFamily, resolve_model_path
 
-    key = (str(resolve_model_path(model_path.strip())), dtype)
+    key = (str(resolve_model_path(model_path.strip())), dtype, mesh.strip() or "auto", attention)
     with _models_lock:
         family = _models.get(key)
         if family is None:
-            family = CogVideoXFamily(key[0], dtype=dtype)
+            family = CogVideoXFamily(key[0], dtype=dtype, mesh=key[2], attention=attention)
             _models[key] = family
         return family
 
@@ -50,7 +50,13 @@ class TPUCogVideoXLoader:
                 "model_path": ("STRING", {"default": "", "tooltip": "diffusers CogVideoX folder (model_index.json)"}),
                 "dtype": (["auto", "bfloat16", "float32"], {"default": "auto",
                           "tooltip": "auto: bfloat16 on TPU/GPU, float32 on CPU"}),
-            }
+            },
+            "optional": {
+                "mesh": ("STRING", {"default": "auto", "tooltip": "dp=N,sp=N,tp=N over all devices; auto: CFG "
+                         "batch on dp, heads on tp (dp=2,tp=4 on a v6e-8)"}),
+                "attention": (["auto", "splash", "cudnn", "blockwise", "reference"], {"default": "auto",
+                              "tooltip": "auto: splash on TPU, cuDNN on GPU, blockwise on CPU"}),
+            },
         }
 
     RETURN_TYPES = (MODEL_TYPE,)
@@ -59,8 +65,8 @@ class TPUCogVideoXLoader:
     CATEGORY = CATEGORY
     DESCRIPTION = "Loads a CogVideoX text-to-video model (2b, 5b or 1.5) for the TPU/JAX runtime."
 
-    def load(self, model_path: str, dtype: str):
-        return (load_family(model_path, dtype),)
+    def load(self, model_path: str, dtype: str, mesh: str = "auto", attention: str = "auto"):
+        return (load_family(model_path, dtype, mesh, attention),)
 
 
 class TPUCogVideoXTextEncode:

@@ -1,6 +1,7 @@
 """Run in a subprocess with 8 simulated CPU devices: sample + decode on several meshes, report frames and HLO.
 
 usage: python mesh_worker.py MODEL_DIR OUT_NPZ HEIGHT WIDTH MESH [MESH ...]
+A MESH ending in ":width" also splits the VAE decode along the frame width.
 """
 
 import json
@@ -16,7 +17,8 @@ model, out, height, width, *meshes = sys.argv[1:]
 height, width = int(height), int(width)
 frames, report = {}, {}
 for mesh in meshes:
-    family = CogVideoXFamily(model, dtype="float32", mesh=mesh)
+    spec, _, vae = mesh.partition(":")
+    family = CogVideoXFamily(model, dtype="float32", mesh=spec, vae_sharding=vae or "replicated")
     emb = family.encode("a panda playing a guitar", "blurry, low quality")
     settings = SampleSettings(height, width, 9, steps=2, guidance=6.0, seed=4)
     latents = family.sample(emb, settings)
@@ -33,5 +35,5 @@ for mesh in meshes:
                               re.findall(r"= \w+\[([\d,]*)\]\S* all-gather(?:-start)?\(", hlo)],
         "weight_shapes": sorted({tuple(p.shape) for p in family._parts["transformer"].parameters()}),
     }
-np.savez(out, **{m.replace(",", "_").replace("=", ""): f for m, f in frames.items()})
+np.savez(out, **{m.replace(",", "_").replace("=", "").replace(":", "_"): f for m, f in frames.items()})
 print("REPORT " + json.dumps(report))

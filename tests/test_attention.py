@@ -8,6 +8,7 @@ from conftest import NEGATIVE, PROMPT
 from oracle import diffusers_frames
 
 from tpu_runtime import attention as A
+from tpu_runtime.errors import InputError
 
 
 def _qkv(b=1, h=2, lq=400, lk=400, d=64, seed=0):
@@ -53,7 +54,7 @@ def test_block_sizes_fit_the_sequence():
     assert A.splash_block_sizes(config, 17776, 17776) == (3328, 2816, 256, 19968, 19712)
     bq, bkv, bkvc, lq, lk = A.splash_block_sizes(config, 88, 88)
     assert (bq, bkv, bkvc, lq, lk) == (128, 128, 128, 128, 128)
-    with pytest.raises(ValueError, match="multiple of block_kv_compute"):
+    with pytest.raises(InputError, match="multiple of block_kv_compute"):
         A.AttentionConfig(block_kv=300, block_kv_compute=256)
     assert A.AttentionConfig().resolve("tpu").impl == "splash"
     assert A.AttentionConfig().resolve("gpu").impl == "cudnn"

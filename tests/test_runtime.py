@@ -63,24 +63,23 @@ def test_compat_leaves_torch_ops_untouched_after_import(runtime):
 
 
 def test_mesh_must_match_device_count(runtime):
-    from tpu_runtime.runtime import Runtime
+    from tpu_runtime.errors import InputError
+    from tpu_runtime.sharding import MeshSpec
 
-    with pytest.raises(ValueError, match=r"mesh \{'dp': 2, 'sp': 1, 'tp': 1\} has 2 devices but this machine has 1"):
-        Runtime(cache_dir=runtime.cache_dir, mesh_shape={"dp": 2})
-    with pytest.raises(ValueError, match="mesh axes must be among"):
-        Runtime(cache_dir=runtime.cache_dir, mesh_shape={"xx": 1})
-    assert runtime.mesh.axis_names == ("dp", "sp", "tp")
+    with pytest.raises(InputError, match=r"mesh dp=2,sp=1,tp=1 uses 2 devices but 1 are available"):
+        runtime.make_mesh(MeshSpec(dp=2))
+    assert runtime.make_mesh(MeshSpec()).axis_names == ("dp", "sp", "tp")
 
 
-def test_eight_device_mesh_in_a_subprocess(tmp_path):
-    code = ("from tpu_runtime.runtime import get_runtime; r = get_runtime(); "
-            "print(r.mesh_shape, len(r.devices))")
+def test_eight_devices_in_a_subprocess(tmp_path):
+    code = ("from tpu_runtime.runtime import get_runtime; from tpu_runtime.sharding import MeshSpec; "
+            "r = get_runtime(); print(len(r.devices), dict(r.make_mesh(MeshSpec(2, 1, 4)).shape))")
     proc = subprocess.run([sys.executable, "-c", code],
                           env=subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8",
                                              TPU_VIDEO_CACHE_DIR=tmp_path / "new" / "cache"),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "{'dp': 1, 'sp': 1, 'tp': 8} 8" in proc.stdout
+    assert "8 {'dp': 2, 'sp': 1, 'tp': 4}" in proc.stdout
     assert (tmp_path / "new" / "cache").is_dir()  # created when missing
 
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from .errors import InputError
+
 IMPLS = ("auto", "splash", "cudnn", "blockwise", "reference")
 _NEG = -0.7 * float(np.finfo(np.float32).max)  # finite "minus infinity": keeps exp() and max() NaN-free
 
@@ -43,13 +45,13 @@ class AttentionConfig:
 
     def __post_init__(self):
         if self.impl not in IMPLS:
-            raise ValueError(f"attention must be one of {IMPLS}, got {self.impl!r}")
+            raise InputError(f"attention must be one of {IMPLS}, got {self.impl!r}")
         for name in ("block_q", "block_kv", "block_kv_compute", "chunk_q", "chunk_kv"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"attention {name}={value!r} must be a positive integer")
+                raise InputError(f"attention {name}={value!r} must be a positive integer")
         if self.block_kv % self.block_kv_compute:
-            raise ValueError(
+            raise InputError(
                 f"attention block_kv={self.block_kv} must be a multiple of block_kv_compute={self.block_kv_compute}"
             )
 

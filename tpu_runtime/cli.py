@@ -54,13 +54,8 @@ class GenerateRequest:
     def attention_config(self):
         from .attention import AttentionConfig
 
-        try:
-            return AttentionConfig(impl=self.attention, block_q=self.block_q, block_kv=self.block_kv,
-                                   block_kv_compute=self.block_kv_compute, exp2=self.exp2)
-        except ValueError as exc:
-            from .errors import InputError
-
-            raise InputError(str(exc)) from exc
+        return AttentionConfig(impl=self.attention, block_q=self.block_q, block_kv=self.block_kv,
+                               block_kv_compute=self.block_kv_compute, exp2=self.exp2)
 
 
 def native_size(family) -> tuple[int, int, int]:
