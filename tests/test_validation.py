@@ -37,11 +37,17 @@ def test_bad_sizes(tiny_models, no_compiles, generation, size, message):
         family.sample(emb, SampleSettings(*size, steps=2))
 
 
+def test_1_5_refuses_frames_larger_than_its_positions(tiny_models, no_compiles):
+    family = CogVideoXFamily(tiny_models["1.5"], dtype="float32")  # tiny: positions for 64x64
+    with pytest.raises(InputError, match="height x width = 64x96 exceeds the 64x64 .* use at most 64x64"):
+        family.validate(64, 96, 17)
+
+
 def test_frame_rules_per_generation(tiny_models):
     family = CogVideoXFamily(tiny_models["1.5"], dtype="float32")
-    family.validate(768, 1360, 81)
+    family.validate(64, 64, 81)
     with pytest.raises(InputError, match=r"16\*N\+1"):
-        family.validate(768, 1360, 41)  # 8N+1, fine for 2b/5b, not for 1.5
+        family.validate(64, 64, 41)  # 8N+1, fine for 2b/5b, not for 1.5
     CogVideoXFamily(tiny_models["5b"], dtype="float32").validate(480, 720, 41)
 
 

@@ -249,7 +249,8 @@ def _demo(args: argparse.Namespace) -> int:
     print(banner)
     build_tiny_cogvideox(model_dir, args.generation)
     frames = args.frames or (17 if args.generation == "1.5" else 9)
-    req = _request(args, model=str(model_dir), height=args.height or 64, width=args.width or 96, frames=frames)
+    width = args.width or (64 if args.generation == "1.5" else 96)  # 1.5 has positions up to its 64x64 here
+    req = _request(args, model=str(model_dir), height=args.height or 64, width=width, frames=frames)
     config = generate(req)
     print_summary(config, req.stage)
     print(f"\n{banner}\nwrote {out / 'output_video.mp4'} and the stage files in {out}")

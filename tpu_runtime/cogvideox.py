@@ -295,6 +295,13 @@ class CogVideoXFamily:
             if not isinstance(value, int) or value <= 0 or value % 16:
                 fixed = max(16, int(round(value / 16)) * 16) if isinstance(value, (int, float)) else 16
                 problems.append(f"{name}={value} must be a positive multiple of 16 (e.g. {fixed})")
+        if self.transformer_config.get("patch_size_t") and not problems:
+            # 1.5's RoPE grid is sliced out of one built for the training size: larger frames have no positions.
+            max_h = self.transformer_config["sample_height"] * self.vae_scale_spatial
+            max_w = self.transformer_config["sample_width"] * self.vae_scale_spatial
+            if height > max_h or width > max_w:
+                problems.append(f"height x width = {height}x{width} exceeds the {max_h}x{max_w} this "
+                                f"CogVideoX-{self.generation} model has positions for: use at most {max_h}x{max_w}")
         rule = frame_rule(self.generation)
         if not isinstance(num_frames, int) or num_frames < 1 or (num_frames - 1) % rule:
             k = max(0, round((num_frames - 1) / rule)) if isinstance(num_frames, (int, float)) else 0
