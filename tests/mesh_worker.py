@@ -1,7 +1,8 @@
 """Run in a subprocess with 8 simulated CPU devices: sample + decode on several meshes, report frames and HLO.
 
 usage: python mesh_worker.py MODEL_DIR OUT_NPZ HEIGHT WIDTH MESH [MESH ...]
-A MESH ending in ":width" also splits the VAE decode along the frame width.
+A MESH may end in ":width" (split the VAE decode along the frame width) and/or ":fsdp" (split the weights
+without a tensor-parallel rule over dp), e.g. "dp=2,sp=1,tp=4:fsdp".
 """
 
 import json
@@ -17,8 +18,9 @@ model, out, height, width, *meshes = sys.argv[1:]
 height, width = int(height), int(width)
 frames, report = {}, {}
 for mesh in meshes:
-    spec, _, vae = mesh.partition(":")
-    family = CogVideoXFamily(model, dtype="float32", mesh=spec, vae_sharding=vae or "replicated")
+    spec, *options = mesh.split(":")
+    family = CogVideoXFamily(model, dtype="float32", mesh=spec, fsdp="fsdp" in options,
+                             vae_sharding="width" if "width" in options else "replicated")
     emb = family.encode("a panda playing a guitar", "blurry, low quality")
     settings = SampleSettings(height, width, 9, steps=2, guidance=6.0, seed=4)
     latents = family.sample(emb, settings)
@@ -34,6 +36,7 @@ for mesh in meshes:
         "all_gather_shapes": [[int(n) for n in dims.split(",") if n] for dims in
                               re.findall(r"= \w+\[([\d,]*)\]\S* all-gather(?:-start)?\(", hlo)],
         "weight_shapes": sorted({tuple(p.shape) for p in family._parts["transformer"].parameters()}),
+        "weights_split_on_dp": sum("dp" in str(a.sharding.spec) for a in family._states["transformer"].values()),
     }
 np.savez(out, **{m.replace(",", "_").replace("=", "").replace(":", "_"): f for m, f in frames.items()})
 print("REPORT " + json.dumps(report))

@@ -1,5 +1,6 @@
-"""On 8 simulated CPU devices, every mesh gives the single-device frames; invalid meshes fail before compiling;
-the compiled step holds the expected collectives and gathers no sharded weight; one compile per shape and mesh."""
+"""On 8 simulated CPU devices, every mesh gives the single-device frames (with FSDP and a width-split VAE too);
+invalid meshes fail before compiling; the compiled step holds the expected collectives and gathers no sharded
+weight; one compile per shape and mesh."""
 
 import json
 import subprocess
@@ -18,6 +19,7 @@ from tpu_runtime.tiny import TinySpec, build_tiny_cogvideox
 
 MESHES = ["dp=1,sp=1,tp=8", "dp=2,sp=1,tp=4", "dp=1,sp=2,tp=4", "dp=2,sp=2,tp=2"]
 WIDTH_SPLIT_VAE = "dp=2,sp=1,tp=4:width"  # the VAE decode split over the frame width, as seeds 000/001 do
+FSDP = "dp=2,sp=1,tp=4:fsdp"  # weights without a tp rule split over dp too
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +48,8 @@ def _single_device_frames(model, height, width):
 
 def test_meshes_match_single_device(eight_head_model, tmp_path):
     single = _single_device_frames(eight_head_model, 64, 128)
-    frames, report = _worker(eight_head_model, tmp_path, 64, 128, MESHES + [WIDTH_SPLIT_VAE])
-    for mesh in MESHES + [WIDTH_SPLIT_VAE]:
+    frames, report = _worker(eight_head_model, tmp_path, 64, 128, MESHES + [WIDTH_SPLIT_VAE, FSDP])
+    for mesh in MESHES + [WIDTH_SPLIT_VAE, FSDP]:
         got = frames[mesh.replace(",", "_").replace("=", "").replace(":", "_")]
         assert np.abs(got - single).max() < 1e-4, mesh
         r = report[mesh]
@@ -55,9 +57,14 @@ def test_meshes_match_single_device(eight_head_model, tmp_path):
         # seed, prompt and step count.
         assert r["sample_compiles"] == (0 if mesh == WIDTH_SPLIT_VAE else 1), (mesh, r)
         assert r["recompiles_second_run"] == 0, (mesh, r)
-        # Gathers of activations are expected with sp (k/v along the sequence); a gathered weight would not be.
+        # Gathers of activations are expected with sp (k/v along the sequence); a gathered weight would not be,
+        # except under FSDP, whose weights are gathered before use by design.
         weight_shapes = {tuple(shape) for shape in r["weight_shapes"]}
         gathered_weights = [s for s in r["all_gather_shapes"] if tuple(s) in weight_shapes]
+        if mesh == FSDP:
+            assert r["weights_split_on_dp"] > 0, "FSDP placed no weight on dp"
+            continue
+        assert r["weights_split_on_dp"] == 0, mesh
         assert not gathered_weights, (mesh, gathered_weights)
         if "sp=1" in mesh:
             assert r["collectives"]["all-gather"] == 0, (mesh, r["all_gather_shapes"])
