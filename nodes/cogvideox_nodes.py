@@ -40,18 +40,26 @@ def unload_all() -> None:
         _models.clear()
 
 
+NO_MODELS = "(no CogVideoX folder found: see model_path)"
+
+
 class TPUCogVideoXLoader:
-    """Point at a diffusers CogVideoX folder; weights load onto the devices the first time a stage needs them."""
+    """Pick a CogVideoX folder from ComfyUI's model folders (or give a path); weights load onto the devices the
+    first time a stage needs them, and the same model and settings are loaded once."""
 
     @classmethod
     def INPUT_TYPES(cls):
+        from .model_folders import find_models
+
+        names = sorted(find_models()) or [NO_MODELS]
         return {
             "required": {
-                "model_path": ("STRING", {"default": "", "tooltip": "diffusers CogVideoX folder (model_index.json)"}),
+                "model": (names, {"tooltip": "diffusers CogVideoX folders in models/diffusers and models/CogVideo"}),
                 "dtype": (["auto", "bfloat16", "float32"], {"default": "auto",
                           "tooltip": "auto: bfloat16 on TPU/GPU, float32 on CPU"}),
             },
             "optional": {
+                "model_path": ("STRING", {"default": "", "tooltip": "a folder anywhere (overrides model)"}),
                 "mesh": ("STRING", {"default": "auto", "tooltip": "dp=N,sp=N,tp=N over all devices; auto: CFG "
                          "batch on dp, heads on tp (dp=2,tp=4 on a v6e-8)"}),
                 "attention": (["auto", "splash", "cudnn", "blockwise", "reference"], {"default": "auto",
@@ -65,8 +73,22 @@ class TPUCogVideoXLoader:
     CATEGORY = CATEGORY
     DESCRIPTION = "Loads a CogVideoX text-to-video model (2b, 5b or 1.5) for the TPU/JAX runtime."
 
-    def load(self, model_path: str, dtype: str, mesh: str = "auto", attention: str = "auto"):
-        return (load_family(model_path, dtype, mesh, attention),)
+    def load(self, model: str, dtype: str, model_path: str = "", mesh: str = "auto", attention: str = "auto"):
+        from tpu_runtime.errors import ModelFolderError
+
+        from .model_folders import find_models, search_roots
+
+        path = model_path.strip()
+        if not path:
+            found = find_models()
+            if model not in found:
+                looked = ", ".join(str(r) for r in search_roots()) or "(no model folders configured)"
+                raise ModelFolderError(
+                    f"CogVideoX model {model!r} not found. Looked in: {looked}. Put a diffusers CogVideoX folder "
+                    "(with model_index.json) into one of them, or give its path in model_path"
+                )
+            path = str(found[model])
+        return (load_family(path, dtype, mesh, attention),)
 
 
 class TPUCogVideoXTextEncode:
@@ -106,7 +128,7 @@ class TPUCogVideoXSampler:
                            "tooltip": "8N+1 for 2b/5b (49 native), 16N+1 for 1.5 (81 native)"}),
                 "steps": ("INT", {"default": 50, "min": 1, "max": 1000}),
                 "guidance": ("FLOAT", {"default": 6.0, "min": 0.0, "max": 30.0, "step": 0.1}),
-                "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF}),
+                "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True}),
                 "scheduler": (["model default", "ddim", "dpm"], {"default": "model default"}),
                 "dynamic_cfg": ("BOOLEAN", {"default": False}),
             }

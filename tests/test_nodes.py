@@ -62,7 +62,7 @@ def test_import_touches_no_device():
 
 def _run_chain(pack, model_dir, steps=3, seed=4, **sampler_overrides):
     m = pack.NODE_CLASS_MAPPINGS
-    (model,) = m["TPUCogVideoXLoader"]().load(str(model_dir), "float32")
+    (model,) = m["TPUCogVideoXLoader"]().load("", "float32", model_path=str(model_dir))
     (embeds,) = m["TPUCogVideoXTextEncode"]().encode(model, PROMPT, NEGATIVE)
     kwargs = dict(width=96, height=64, frames=9, steps=steps, guidance=6.0, seed=seed, scheduler="model default",
                   dynamic_cfg=False)
@@ -80,13 +80,13 @@ def test_node_chain_matches_diffusers(pack, tiny_models):
     ref = diffusers_frames(tiny_models["5b"], PROMPT, NEGATIVE, 64, 96, 9, 3, 6.0, 4)
     assert np.abs(image.numpy() - ref).max() < 1e-4
     # Loading the same folder again reuses the loaded model (and its device buffers).
-    (again,) = pack.NODE_CLASS_MAPPINGS["TPUCogVideoXLoader"]().load(str(tiny_models["5b"]), "float32")
+    (again,) = pack.NODE_CLASS_MAPPINGS["TPUCogVideoXLoader"]().load("", "float32", model_path=str(tiny_models["5b"]))
     assert again is model
 
 
 def test_interrupt_stops_between_steps_and_next_run_is_correct(pack, tiny_models):
     m = pack.NODE_CLASS_MAPPINGS
-    (model,) = m["TPUCogVideoXLoader"]().load(str(tiny_models["2b"]), "float32")
+    (model,) = m["TPUCogVideoXLoader"]().load("", "float32", model_path=str(tiny_models["2b"]))
     (embeds,) = m["TPUCogVideoXTextEncode"]().encode(model, PROMPT, NEGATIVE)
     from tpu_runtime.cogvideox import SampleSettings
 
@@ -104,6 +104,75 @@ def test_decode_refuses_foreign_latent(pack, tiny_models):
     from tpu_runtime.errors import StageFileError
 
     m = pack.NODE_CLASS_MAPPINGS
-    (model,) = m["TPUCogVideoXLoader"]().load(str(tiny_models["2b"]), "float32")
+    (model,) = m["TPUCogVideoXLoader"]().load("", "float32", model_path=str(tiny_models["2b"]))
     with pytest.raises(StageFileError, match="did not come from the TPU CogVideoX sampler"):
         m["TPUCogVideoXDecode"]().decode(model, {"samples": torch.zeros(1, 4, 3, 8, 12)}, tiling=False)
+
+
+@pytest.fixture
+def fake_comfy_folders(tmp_path, monkeypatch):
+    """A stand-in for ComfyUI's folder_paths with its real API: models/diffusers plus an extra_model_paths entry."""
+    import types
+
+    models = tmp_path / "ComfyUI" / "models"
+    extra = tmp_path / "shared_models" / "diffusers"
+    for p in (models / "diffusers", models / "CogVideo", extra):
+        p.mkdir(parents=True)
+    registry = {"diffusers": ([str(models / "diffusers"), str(extra)], set())}
+    fp = types.ModuleType("folder_paths")
+    fp.models_dir = str(models)
+    fp.folder_names_and_paths = registry
+    fp.add_model_folder_path = lambda name, path: registry.setdefault(name, ([], set()))[0].append(path)
+    fp.get_folder_paths = lambda name: list(registry[name][0])
+    monkeypatch.setitem(sys.modules, "folder_paths", fp)
+    return models, extra
+
+
+def test_loader_lists_models_from_comfy_folders(pack, tiny_models, fake_comfy_folders):
+    import shutil
+
+    models, extra = fake_comfy_folders
+    shutil.copytree(tiny_models["2b"], models / "CogVideo" / "CogVideoX-2b")  # where the GPU wrapper downloads
+    shutil.copytree(tiny_models["5b"], extra / "CogVideoX-5b")  # from extra_model_paths.yaml
+    (models / "diffusers" / "not-a-model").mkdir()
+    loader = pack.NODE_CLASS_MAPPINGS["TPUCogVideoXLoader"]
+    assert loader.INPUT_TYPES()["required"]["model"][0] == ["CogVideoX-2b", "CogVideoX-5b"]
+    (model,) = loader().load("CogVideoX-5b", "float32")
+    assert model.generation == "5b"
+
+
+def test_missing_model_lists_where_we_looked(pack, fake_comfy_folders):
+    from tpu_runtime.errors import ModelFolderError
+
+    models, extra = fake_comfy_folders
+    loader = pack.NODE_CLASS_MAPPINGS["TPUCogVideoXLoader"]
+    assert loader.INPUT_TYPES()["required"]["model"][0] == [pack.nodes.cogvideox_nodes.NO_MODELS]
+    with pytest.raises(ModelFolderError) as err:
+        loader().load("CogVideoX-2b", "auto")
+    message = str(err.value)
+    for folder in (models / "diffusers", extra, models / "CogVideo"):
+        assert str(folder) in message
+
+
+def test_device_buffers_stable_over_prompts_and_freed_on_unload(pack, tiny_models):
+    import gc
+
+    import jax
+
+    nodes_module = pack.nodes.cogvideox_nodes
+
+    def live_bytes():
+        gc.collect()
+        return sum(a.nbytes for a in jax.live_arrays())
+
+    nodes_module.unload_all()
+    baseline = live_bytes()
+    counts = []
+    for seed in range(5):
+        _run_chain(pack, tiny_models["2b"], steps=2, seed=seed)
+        gc.collect()
+        counts.append((len(jax.live_arrays()), live_bytes()))
+    assert counts[0][1] > baseline + 100_000  # the weights are on the device
+    assert len(set(counts)) == 1, f"live device buffers grew over prompts: {counts}"
+    nodes_module.unload_all()
+    assert live_bytes() <= baseline + 64  # only torchax's PRNG key (8 bytes) may appear, never model buffers

@@ -1,0 +1,137 @@
+"""Every example workflow fits the node definitions (types registered, widget values valid, links typed), and its
+graph of our nodes runs headlessly on a tiny model of the same generation to frames and an mp4."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, SIZES
+
+from tpu_runtime.video import read_mp4, write_mp4
+
+WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
+GENERATION = {"cogvideox_2b_t2v_tpu.json": "2b", "cogvideox_5b_t2v_tpu.json": "5b",
+              "cogvideox1.5_5b_t2v_tpu.json": "1.5"}
+NATIVE = {"2b": (720, 480, 49), "5b": (720, 480, 49), "1.5": (1360, 768, 81)}
+
+# ComfyUI core nodes the workflows use, as ComfyUI (comfy_extras/nodes_video.py, nodes.py) defines them.
+CORE_NODES = {
+    "CreateVideo": {"required": {"images": ("IMAGE",), "fps": ("FLOAT", {"min": 1.0, "max": 120.0})},
+                    "optional": {"audio": ("AUDIO",)}, "outputs": ("VIDEO",)},
+    "SaveVideo": {"required": {"video": ("VIDEO",), "filename_prefix": ("STRING", {}),
+                               "format": (["auto", "mp4"],), "codec": (["auto", "h264"],)},
+                  "optional": {}, "outputs": ()},
+    "Note": {"required": {"text": ("STRING", {})}, "optional": {}, "outputs": ()},
+}
+WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
+DYNAMIC_COMBOS = {("TPUCogVideoXLoader", "model")}  # lists the user's downloads: any folder name is valid
+
+
+@pytest.fixture(scope="module")
+def node_defs():
+    from nodes import NODE_CLASS_MAPPINGS
+
+    defs = {name: {**cls.INPUT_TYPES(), "outputs": cls.RETURN_TYPES} for name, cls in NODE_CLASS_MAPPINGS.items()}
+    return {**defs, **CORE_NODES}
+
+
+def _is_widget(spec) -> bool:
+    return isinstance(spec[0], list) or spec[0] in WIDGET_TYPES
+
+
+def _widget_inputs(definition):
+    for section in ("required", "optional"):
+        for name, spec in definition.get(section, {}).items():
+            if _is_widget(spec):
+                yield name, spec
+
+
+def widget_values(node, definition) -> dict:
+    """Map a UI node's widgets_values to input names, in ComfyUI's order (seed's control value skipped)."""
+    values, out = list(node["widgets_values"]), {}
+    for name, spec in _widget_inputs(definition):
+        out[name] = values.pop(0)
+        if len(spec) > 1 and spec[1].get("control_after_generate"):
+            assert values.pop(0) in ("fixed", "increment", "decrement", "randomize")
+    assert not values, f"{node['type']}: {len(values)} widget values left over"
+    return out
+
+
+def test_there_is_one_workflow_per_generation():
+    assert {p.name for p in WORKFLOWS} == set(GENERATION)
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_workflow_fits_node_definitions(path, node_defs):
+    wf = json.loads(path.read_text())
+    assert wf["version"] == 0.4
+    nodes = {n["id"]: n for n in wf["nodes"]}
+    for node in wf["nodes"]:
+        assert node["type"] in node_defs, f"unregistered node type {node['type']}"
+        definition = node_defs[node["type"]]
+        for name, value in widget_values(node, definition).items():
+            spec = dict(_widget_inputs(definition))[name]
+            kind, opts = spec[0], (spec[1] if len(spec) > 1 else {})
+            if isinstance(kind, list):
+                assert (node["type"], name) in DYNAMIC_COMBOS or value in kind, (node["type"], name, value)
+            elif kind == "INT":
+                assert isinstance(value, int) and opts.get("min", value) <= value <= opts.get("max", value)
+            elif kind == "FLOAT":
+                assert isinstance(value, (int, float)) and opts.get("min", value) <= value <= opts.get("max", value)
+            elif kind == "STRING":
+                assert isinstance(value, str)
+            elif kind == "BOOLEAN":
+                assert isinstance(value, bool)
+    assert any(n["type"] == "Note" and "models/diffusers" in n["widgets_values"][0] for n in wf["nodes"])
+    for link_id, src, src_slot, dst, dst_slot, link_type in wf["links"]:
+        out_type = node_defs[nodes[src]["type"]]["outputs"][src_slot]
+        target = nodes[dst]["inputs"][dst_slot]
+        assert target["link"] == link_id and link_id in nodes[src]["outputs"][src_slot]["links"]
+        definition = node_defs[nodes[dst]["type"]]
+        in_spec = {**definition["required"], **definition.get("optional", {})}[target["name"]]
+        assert out_type == link_type == in_spec[0] == target["type"], (link_id, out_type, link_type, in_spec)
+    gen = GENERATION[path.name]
+    sampler = next(n for n in wf["nodes"] if n["type"] == "TPUCogVideoXSampler")
+    values = widget_values(sampler, node_defs["TPUCogVideoXSampler"])
+    assert (values["width"], values["height"], values["frames"]) == NATIVE[gen]
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_workflow_runs_headlessly_on_a_tiny_model(path, node_defs, tiny_models, tmp_path):
+    """Execute the graph: our nodes for real (sizes shrunk, the tiny model swapped in), ComfyUI's CreateVideo +
+    SaveVideo stood in for by our mp4 writer with the workflow's fps."""
+    from nodes import NODE_CLASS_MAPPINGS
+
+    wf = json.loads(path.read_text())
+    gen = GENERATION[path.name]
+    height, width, frames = SIZES[gen]
+    nodes = {n["id"]: n for n in wf["nodes"]}
+    incoming = {(dst, dst_slot): (src, src_slot) for _, src, src_slot, dst, dst_slot, _ in wf["links"]}
+    results: dict[int, tuple] = {}
+    for node in sorted(wf["nodes"], key=lambda n: n["order"]):
+        kind = node["type"]
+        if kind == "Note":
+            continue
+        kwargs = widget_values(node, node_defs[kind])
+        for slot, inp in enumerate(node["inputs"]):
+            if inp.get("link") is not None:
+                src, src_slot = incoming[(node["id"], slot)]
+                kwargs[inp["name"]] = results[src][src_slot]
+        if kind == "TPUCogVideoXLoader":
+            kwargs.update(model_path=str(tiny_models[gen]), dtype="float32")
+        if kind == "TPUCogVideoXSampler":
+            kwargs.update(width=width, height=height, frames=frames, steps=2)
+        if kind == "CreateVideo":
+            results[node["id"]] = ((kwargs["images"], kwargs["fps"]),)
+            continue
+        if kind == "SaveVideo":
+            images, fps = kwargs["video"]
+            write_mp4(images, tmp_path / "out.mp4", fps=int(fps))
+            continue
+        cls = NODE_CLASS_MAPPINGS[kind]
+        results[node["id"]] = getattr(cls(), cls.FUNCTION)(**kwargs)
+    decoded, meta = read_mp4(tmp_path / "out.mp4")
+    assert decoded.shape == (frames, height, width, 3)
+    image = next(results[n["id"]][0] for n in wf["nodes"] if n["type"] == "TPUCogVideoXDecode")
+    assert isinstance(image, torch.Tensor) and image.shape == (frames, height, width, 3)
