@@ -13,5 +13,8 @@ if _here not in sys.path:
     sys.path.append(_here)
 
 from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
+from .nodes.cogvideox_nodes import install_comfy_unload_hook  # noqa: E402
+
+install_comfy_unload_hook()  # ComfyUI's "free memory" also frees our device buffers
 
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]

@@ -19,15 +19,24 @@ _models: dict[tuple[str, str], object] = {}
 _models_lock = threading.Lock()
 
 
-def load_family(model_path: str, dtype: str, mesh: str = "auto", attention: str = "auto"):
-    """Load (or reuse) a CogVideoX model; the same folder and settings share one copy of the weights on device."""
+def load_family(model_path: str, dtype: str, mesh: str = "auto", attention: str = "auto", cache_dir: str = ""):
+    """Load (or reuse) a CogVideoX model; the same folder and settings share one copy of the weights on device.
+
+    Loading a different model first releases the others: a video model fills an accelerator's memory, so holding
+    two at once would run out of it.
+    """
     from tpu_runtime.cogvideox import CogVideoXFamily, resolve_model_path
+    from tpu_runtime.runtime import get_runtime
 
     key = (str(resolve_model_path(model_path.strip())), dtype, mesh.strip() or "auto", attention)
     with _models_lock:
         family = _models.get(key)
         if family is None:
-            family = CogVideoXFamily(key[0], dtype=dtype, mesh=key[2], attention=attention)
+            runtime = get_runtime(cache_dir=cache_dir.strip() or None)
+            for other in _models.values():
+                other.release()
+            _models.clear()
+            family = CogVideoXFamily(key[0], dtype=dtype, runtime=runtime, mesh=key[2], attention=attention)
             _models[key] = family
         return family
 
@@ -38,6 +47,26 @@ def unload_all() -> None:
         for family in _models.values():
             family.release()
         _models.clear()
+
+
+def install_comfy_unload_hook() -> bool:
+    """Make ComfyUI's "unload models" / "free memory" (``comfy.model_management.unload_all_models``) release our
+    device buffers too. Cheap and device-free: safe at pack import. Returns whether ComfyUI was there."""
+    try:
+        import comfy.model_management as mm
+    except ImportError:
+        return False
+    original = mm.unload_all_models
+    if getattr(original, "tpu_video_hooked", False):
+        return True
+
+    def unload_all_models(*args, **kwargs):
+        unload_all()
+        return original(*args, **kwargs)
+
+    unload_all_models.tpu_video_hooked = True
+    mm.unload_all_models = unload_all_models
+    return True
 
 
 NO_MODELS = "(no CogVideoX folder found: see model_path)"
@@ -64,6 +93,8 @@ class TPUCogVideoXLoader:
                          "batch on dp, heads on tp (dp=2,tp=4 on a v6e-8)"}),
                 "attention": (["auto", "splash", "cudnn", "blockwise", "reference"], {"default": "auto",
                               "tooltip": "auto: splash on TPU, cuDNN on GPU, blockwise on CPU"}),
+                "cache_dir": ("STRING", {"default": "", "tooltip": "persistent XLA compilation cache; empty: "
+                              "$TPU_VIDEO_CACHE_DIR or ~/.cache/tpu_video_nodes/xla_cache (one per process)"}),
             },
         }
 
@@ -73,7 +104,8 @@ class TPUCogVideoXLoader:
     CATEGORY = CATEGORY
     DESCRIPTION = "Loads a CogVideoX text-to-video model (2b, 5b or 1.5) for the TPU/JAX runtime."
 
-    def load(self, model: str, dtype: str, model_path: str = "", mesh: str = "auto", attention: str = "auto"):
+    def load(self, model: str, dtype: str, model_path: str = "", mesh: str = "auto", attention: str = "auto",
+             cache_dir: str = ""):
         from tpu_runtime.errors import ModelFolderError
 
         from .model_folders import find_models, search_roots
@@ -88,7 +120,7 @@ class TPUCogVideoXLoader:
                     "(with model_index.json) into one of them, or give its path in model_path"
                 )
             path = str(found[model])
-        return (load_family(path, dtype, mesh, attention),)
+        return (load_family(path, dtype, mesh, attention, cache_dir),)
 
 
 class TPUCogVideoXTextEncode:
@@ -182,11 +214,24 @@ class TPUCogVideoXDecode:
         from tpu_runtime.cogvideox import VideoLatents
         from tpu_runtime.errors import StageFileError
 
+        from .comfy_bridge import progress_bar
+
+        z = samples["samples"]
         info = samples.get("tpu_video")
-        if not isinstance(info, VideoLatents):
-            raise StageFileError("these latents did not come from the TPU CogVideoX sampler: connect its output")
-        latents = VideoLatents(samples["samples"], info.height, info.width, info.num_frames, info.model_signature)
-        return (model.decode(latents, tiling=tiling),)
+        if isinstance(info, VideoLatents) and tuple(info.latents.shape) == tuple(z.shape):
+            latents = VideoLatents(z, info.height, info.width, info.num_frames, info.model_signature)
+        else:
+            # A plain LATENT (e.g. after ComfyUI's own latent nodes): sizes follow from its shape.
+            if z.ndim != 5:
+                raise StageFileError(f"LATENT samples have shape {tuple(z.shape)}; CogVideoX decodes video latents "
+                                     "[B, C, T, H/8, W/8]: connect a video sampler's output")
+            s, t = model.vae_scale_spatial, model.vae_scale_temporal
+            latents = VideoLatents(z, z.shape[3] * s, z.shape[4] * s, (z.shape[2] - 1) * t + 1, model.signature)
+        bar = progress_bar(1)
+        frames = model.decode(latents, tiling=tiling)
+        if bar is not None:
+            bar.update_absolute(1, 1)
+        return (frames,)
 
 
 NODE_CLASS_MAPPINGS = {

@@ -100,13 +100,43 @@ def test_interrupt_stops_between_steps_and_next_run_is_correct(pack, tiny_models
     assert np.abs(image.numpy() - ref).max() < 1e-4
 
 
-def test_decode_refuses_foreign_latent(pack, tiny_models):
+def test_decode_takes_a_plain_comfy_latent(pack, tiny_models):
+    """Between our sampler and decoder, ComfyUI's own latent nodes hand on a plain {"samples": tensor}."""
     from tpu_runtime.errors import StageFileError
 
-    m = pack.NODE_CLASS_MAPPINGS
-    (model,) = m["TPUCogVideoXLoader"]().load("", "float32", model_path=str(tiny_models["2b"]))
-    with pytest.raises(StageFileError, match="did not come from the TPU CogVideoX sampler"):
-        m["TPUCogVideoXDecode"]().decode(model, {"samples": torch.zeros(1, 4, 3, 8, 12)}, tiling=False)
+    model, latent, image = _run_chain(pack, tiny_models["5b"])
+    decode = pack.NODE_CLASS_MAPPINGS["TPUCogVideoXDecode"]()
+    (plain,) = decode.decode(model, {"samples": latent["samples"].clone()}, tiling=False)
+    assert torch.equal(plain, image)
+    with pytest.raises(StageFileError, match=r"shape \(1, 4, 8, 12\); CogVideoX decodes video latents"):
+        decode.decode(model, {"samples": torch.zeros(1, 4, 8, 12)}, tiling=False)
+
+
+def test_switching_models_releases_the_previous_one(pack, tiny_models):
+    loader = pack.NODE_CLASS_MAPPINGS["TPUCogVideoXLoader"]()
+    (first,) = loader.load("", "float32", model_path=str(tiny_models["2b"]))
+    first.encode("a cat")  # puts the text encoder on the device
+    assert first._states
+    (second,) = loader.load("", "float32", model_path=str(tiny_models["5b"]))
+    assert second is not first and not first._states
+
+
+def test_comfy_unload_hook_frees_our_models(pack, tiny_models, monkeypatch):
+    import types
+
+    calls = []
+    comfy = types.ModuleType("comfy")
+    mm = types.ModuleType("comfy.model_management")
+    mm.unload_all_models = lambda: calls.append("comfy")
+    comfy.model_management = mm
+    monkeypatch.setitem(sys.modules, "comfy", comfy)
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    nodes_module = pack.nodes.cogvideox_nodes
+    assert nodes_module.install_comfy_unload_hook() and nodes_module.install_comfy_unload_hook()
+    (model,) = pack.NODE_CLASS_MAPPINGS["TPUCogVideoXLoader"]().load("", "float32", model_path=str(tiny_models["2b"]))
+    model.encode("a cat")
+    mm.unload_all_models()  # what ComfyUI's "free memory" / "unload models" calls
+    assert calls == ["comfy"] and not model._states and not nodes_module._models
 
 
 @pytest.fixture
