@@ -206,3 +206,13 @@ def test_device_buffers_stable_over_prompts_and_freed_on_unload(pack, tiny_model
     assert len(set(counts)) == 1, f"live device buffers grew over prompts: {counts}"
     nodes_module.unload_all()
     assert live_bytes() <= baseline + 64  # only torchax's PRNG key (8 bytes) may appear, never model buffers
+
+
+def test_nodes_run_under_comfy_inference_mode(pack, tiny_models):
+    """ComfyUI executes nodes inside torch.inference_mode(); tracing must still see decomposed ops."""
+    import tpu_runtime.runtime as rt
+
+    rt.get_runtime().clear_programs()  # make the chain trace again, inside inference mode
+    with torch.inference_mode():
+        _, _, image = _run_chain(pack, tiny_models["2b"], steps=2, seed=1)
+    assert image.shape == (9, 64, 96, 3)

@@ -247,7 +247,11 @@ class Runtime:
             log.info("compiling %s (first run with this shape only; later runs reuse it)", describe or key)
             start = time.perf_counter()
             jitted = jax.jit(fn, static_argnames=tuple(static) if static else ())
-            lowered = jitted.lower(*example_args, **(static or {}))
+            # ComfyUI runs nodes under torch.inference_mode(), which skips the autograd dispatch key where torch
+            # decomposes composite ops (aten::dropout, ...) that torchax has no lowering for. Trace in plain
+            # no-grad mode instead: same numbers, every op decomposed as torchax expects.
+            with torch.inference_mode(False), torch.no_grad():
+                lowered = jitted.lower(*example_args, **(static or {}))
             executable = lowered.compile()
             seconds = time.perf_counter() - start
             program = CompiledProgram(executable, seconds, _memory_analysis(executable))

@@ -1,0 +1,149 @@
+"""Try the pack in a real ComfyUI server, as a new user would (run by hand; CI has no ComfyUI).
+
+    python tests/comfy_server_trial.py --comfy COMFYUI_CHECKOUT --python COMFY_VENV_PYTHON [--port 8188]
+
+It links this folder into COMFYUI_CHECKOUT/custom_nodes, builds a tiny random-weight CogVideoX-2b into
+models/diffusers, starts `main.py --cpu` on 127.0.0.1, checks that our nodes appear in /object_info, turns the
+example 2b workflow (sizes shrunk) into an API prompt, runs it through POST /prompt until Save Video writes an mp4,
+then runs a long prompt, presses Cancel (POST /interrupt) after its first steps and checks that the next prompt
+still succeeds. Prints a line per check and exits non-zero on the first failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def http(port: int, path: str, payload: dict | None = None, timeout: float = 30):
+    data = json.dumps(payload).encode() if payload is not None else None
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                 headers={"Content-Type": "application/json"} if data else {})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        body = resp.read()
+    return json.loads(body) if body else None
+
+
+def ui_to_api(workflow: dict, object_info: dict, overrides: dict[str, dict]) -> dict:
+    """ComfyUI's UI workflow format to the API prompt format, with widget values mapped by /object_info."""
+    links = {link[0]: link for link in workflow["links"]}
+    prompt = {}
+    for node in workflow["nodes"]:
+        if node["type"] == "Note":
+            continue
+        info = object_info[node["type"]]
+        inputs, values = {}, list(node.get("widgets_values", []))
+        for section in ("required", "optional"):
+            for name, spec in info["input"].get(section, {}).items():
+                kind = spec[0]
+                is_widget = isinstance(kind, list) or kind in ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
+                if is_widget and values:
+                    inputs[name] = values.pop(0)
+                    opts = spec[1] if len(spec) > 1 else {}
+                    if name in ("seed", "noise_seed") or opts.get("control_after_generate"):
+                        values.pop(0)
+        for inp in node.get("inputs", []):
+            if inp.get("link") is not None:
+                _, src, src_slot, *_ = links[inp["link"]]
+                inputs[inp["name"]] = [str(src), src_slot]
+        inputs.update(overrides.get(node["type"], {}))
+        prompt[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
+    return prompt
+
+
+def wait_for(port: int, prompt_id: str, timeout: float) -> dict:
+    end = time.time() + timeout
+    while time.time() < end:
+        history = http(port, f"/history/{prompt_id}")
+        if prompt_id in history:
+            return history[prompt_id]
+        time.sleep(1)
+    raise TimeoutError(f"prompt {prompt_id} did not finish in {timeout} s")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--comfy", required=True, type=Path)
+    ap.add_argument("--python", required=True)
+    ap.add_argument("--port", type=int, default=8188)
+    args = ap.parse_args()
+    comfy, port = args.comfy.resolve(), args.port
+
+    link = comfy / "custom_nodes" / "tpu-video-nodes"
+    if not link.exists():
+        link.symlink_to(ROOT)
+    model_dir = comfy / "models" / "diffusers" / "CogVideoX-2b-tiny"
+    if not model_dir.exists():
+        subprocess.run([args.python, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                        "from tpu_runtime.tiny import build_tiny_cogvideox; build_tiny_cogvideox(sys.argv[2], '2b')",
+                        str(ROOT), str(model_dir)], check=True)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    log = open(comfy / "trial_server.log", "w")
+    server = subprocess.Popen([args.python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port)],
+                              cwd=comfy, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(180):
+            try:
+                http(port, "/system_stats")
+                break
+            except OSError:
+                time.sleep(1)
+        else:
+            raise RuntimeError("server did not start; see trial_server.log")
+        print("server started")
+        text = (comfy / "trial_server.log").read_text()
+        ours = [line for line in text.splitlines() if "tpu-video-nodes" in line]
+        assert ours and not any("IMPORT FAILED" in line for line in ours), "pack failed to import:\n" + text
+        print("pack imported:", ours[0].strip())
+        info = http(port, "/object_info")
+        ours = sorted(k for k in info if k.startswith("TPUCogVideoX"))
+        assert ours == ["TPUCogVideoXDecode", "TPUCogVideoXLoader", "TPUCogVideoXSampler", "TPUCogVideoXTextEncode"]
+        assert "CogVideoX-2b-tiny" in info["TPUCogVideoXLoader"]["input"]["required"]["model"][0]
+        print("nodes in /object_info:", ours, "| loader lists CogVideoX-2b-tiny")
+
+        workflow = json.loads((ROOT / "workflows" / "cogvideox_2b_t2v_tpu.json").read_text())
+        small = {"TPUCogVideoXLoader": {"model": "CogVideoX-2b-tiny", "dtype": "float32"},
+                 "TPUCogVideoXSampler": {"width": 96, "height": 64, "frames": 9, "steps": 3},
+                 "SaveVideo": {"filename_prefix": "video/tpu_trial"}}
+        prompt = ui_to_api(workflow, info, small)
+        out_dir = comfy / "output" / "video"
+        before = set(out_dir.glob("tpu_trial*.mp4")) if out_dir.exists() else set()
+        result = wait_for(port, http(port, "/prompt", {"prompt": prompt})["prompt_id"], 600)
+        assert result["status"]["status_str"] == "success", result["status"]
+        new = set(out_dir.glob("tpu_trial*.mp4")) - before
+        assert new, "no mp4 written"
+        print("workflow ran to", sorted(new)[0].name, f"({sorted(new)[0].stat().st_size} bytes)")
+
+        long_prompt = ui_to_api(workflow, info, {**small, "TPUCogVideoXSampler": {**small["TPUCogVideoXSampler"],
+                                                                                  "steps": 400, "seed": 7}})
+        pid = http(port, "/prompt", {"prompt": long_prompt})["prompt_id"]
+        time.sleep(8)
+        http(port, "/interrupt", {})
+        result = wait_for(port, pid, 300)
+        messages = [m[0] for m in result["status"].get("messages", [])]
+        assert "execution_interrupted" in messages, result["status"]
+        print("Cancel stopped the 400-step prompt:", result["status"]["status_str"], messages)
+        again = ui_to_api(workflow, info, {**small, "TPUCogVideoXSampler": {**small["TPUCogVideoXSampler"], "seed": 3}})
+        result = wait_for(port, http(port, "/prompt", {"prompt": again})["prompt_id"], 600)
+        assert result["status"]["status_str"] == "success", result["status"]
+        print("next prompt after Cancel succeeded")
+        http(port, "/free", {"unload_models": True, "free_memory": True})
+        time.sleep(3)
+        print("free memory requested; server log tail:")
+        print("\n".join((comfy / "trial_server.log").read_text().splitlines()[-8:]))
+        return 0
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
