@@ -488,6 +488,10 @@ class CogVideoXFamily:
                 state, latents_dev, embeds_dev, put(torch.tensor([int(t)], dtype=torch.int32)),
                 put(torch.from_numpy(plan.coeffs[i])), noise, old_x0, rope_dev,
             )
+            # JAX dispatches asynchronously: without waiting, the loop would queue every step at once, the
+            # progress bar would race ahead of the device and Cancel could not stop the steps already queued.
+            # A step takes seconds on real models; the wait costs only the next dispatch's latency.
+            latents_dev.block_until_ready()
             if on_step is not None:
                 on_step(i + 1, len(timesteps))
         result = self.runtime.to_cpu(latents_dev)
