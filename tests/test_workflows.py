@@ -2,7 +2,7 @@
 graph of our nodes runs headlessly on a tiny model of the same generation to frames and an mp4."""
 
 import json
-from pathlib import Path
+import uuid
 
 import pytest
 import torch
@@ -66,6 +66,7 @@ def test_there_is_one_workflow_per_generation():
 def test_workflow_fits_node_definitions(path, node_defs):
     wf = json.loads(path.read_text())
     assert wf["version"] == 0.4
+    uuid.UUID(wf["id"])  # ComfyUI's frontend rejects a workflow whose id is not a UUID
     nodes = {n["id"]: n for n in wf["nodes"]}
     for node in wf["nodes"]:
         assert node["type"] in node_defs, f"unregistered node type {node['type']}"
