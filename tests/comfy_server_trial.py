@@ -122,6 +122,13 @@ def main() -> int:
         assert new, "no mp4 written"
         print("workflow ran to", sorted(new)[0].name, f"({sorted(new)[0].stat().st_size} bytes)")
 
+        bad = ui_to_api(workflow, info, {**small, "TPUCogVideoXSampler": {**small["TPUCogVideoXSampler"], "frames": 10}})
+        result = wait_for(port, http(port, "/prompt", {"prompt": bad})["prompt_id"], 120)
+        error = next(m[1] for m in result["status"]["messages"] if m[0] == "execution_error")
+        assert error["node_type"] == "TPUCogVideoXSampler", error
+        assert error["exception_message"].startswith("frames=10 must be 8*N+1 for CogVideoX-2b"), error
+        print(f"bad input shown on the node: {error['exception_type'].split('.')[-1]}: {error['exception_message']}")
+
         # The native 720x480x49 size on the tiny model: about a second a step on 2 CPU cores, 200 steps.
         long_prompt = ui_to_api(workflow, info, {**small, "TPUCogVideoXSampler": {
             "width": 720, "height": 480, "frames": 49, "steps": 200, "seed": 7}})
