@@ -15,8 +15,15 @@ CATEGORY = "TPU video/CogVideoX"
 MODEL_TYPE = "TPU_COGVIDEOX_MODEL"
 EMBEDS_TYPE = "TPU_COGVIDEOX_EMBEDS"
 
-_models: dict[tuple[str, str], object] = {}
+_models: dict[tuple[str, str, str, str], object] = {}  # (folder, dtype, mesh, attention) -> CogVideoXFamily
 _models_lock = threading.Lock()
+
+
+def _release_all() -> None:
+    """Drop every loaded model's device buffers; the caller holds ``_models_lock``."""
+    for family in _models.values():
+        family.release()
+    _models.clear()
 
 
 def load_family(model_path: str, dtype: str, mesh: str = "auto", attention: str = "auto", cache_dir: str = ""):
@@ -33,9 +40,7 @@ def load_family(model_path: str, dtype: str, mesh: str = "auto", attention: str 
         family = _models.get(key)
         if family is None:
             runtime = get_runtime(cache_dir=cache_dir.strip() or None)
-            for other in _models.values():
-                other.release()
-            _models.clear()
+            _release_all()
             family = CogVideoXFamily(key[0], dtype=dtype, runtime=runtime, mesh=key[2], attention=attention)
             _models[key] = family
         return family
@@ -44,9 +49,7 @@ def load_family(model_path: str, dtype: str, mesh: str = "auto", attention: str 
 def unload_all() -> None:
     """Release every loaded model's device buffers."""
     with _models_lock:
-        for family in _models.values():
-            family.release()
-        _models.clear()
+        _release_all()
 
 
 def install_comfy_unload_hook() -> bool:
