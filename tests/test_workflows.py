@@ -107,7 +107,6 @@ def test_workflow_runs_headlessly_on_a_tiny_model(path, node_defs, tiny_models, 
     wf = json.loads(path.read_text())
     gen = GENERATION[path.name]
     height, width, frames = SIZES[gen]
-    nodes = {n["id"]: n for n in wf["nodes"]}
     incoming = {(dst, dst_slot): (src, src_slot) for _, src, src_slot, dst, dst_slot, _ in wf["links"]}
     results: dict[int, tuple] = {}
     for node in sorted(wf["nodes"], key=lambda n: n["order"]):

@@ -129,7 +129,7 @@ def print_table(r: dict) -> None:
               f"{o['xla_compiles_by_stage'].get(stage, 0):>13} {mem.get('temp_size_in_bytes', 0) / 2**20:>9.2f} "
               f"{mem.get('argument_size_in_bytes', 0) / 2**20:>9.2f}")
     d = r["diffusers_eager"]
-    print(f"\n  end to end          ours         diffusers eager   ratio (ours / diffusers)")
+    print("\n  end to end          ours         diffusers eager   ratio (ours / diffusers)")
     print(f"  cold (load+compile) {o['cold_wall_s']:>8.2f} s   {d['load_s'] + d['runs_s'][0]:>8.2f} s        "
           f"{r['ratios']['cold_ours_over_diffusers']:.2f}")
     print(f"  warm (median)       {statistics.median(o['warm_runs_s']):>8.2f} s   "
