@@ -45,7 +45,7 @@ def _diffusers_eager(model: Path, req, repeats: int) -> dict:
 
 def run_bench(model: str | None, generation: str, height: int, width: int, frames: int, steps: int,
               repeats: int = 2, dtype: str = "auto") -> dict:
-    from .cli import GenerateRequest, generate
+    from .generate import GenerateRequest, generate
     from .cogvideox import GROUP_NORMS, CogVideoXFamily
     from .runtime import compile_stats, get_runtime
     from .stage_files import load_latents

@@ -17,30 +17,29 @@ latent frame count gets one extra latent frame in front, dropped before decode).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
 from .attention import AttentionConfig, attention_scope
-from .errors import InputError, Interrupted, ModelFolderError, StageFileError
-from .runtime import Runtime, get_runtime
-from .sharding import (
-    COGVIDEOX_TRANSFORMER_RULES,
-    T5_ENCODER_RULES,
-    VAE_RULES,
-    MeshSpec,
-    default_mesh,
-    parse_mesh,
-    validate_mesh,
+from .errors import InputError, ModelFolderError, StageFileError
+from .family import (
+    ModelFamily,
+    SampleSettings,
+    TextEmbeddings,
+    VideoLatents,
+    config_signature,
+    frame_problem,
+    jax_dtype,
+    size_problems,
 )
+from .runtime import Runtime
+from .schedulers import COGVIDEOX_COEFFS, cogvideox_plan
+from .sharding import COGVIDEOX_TRANSFORMER_RULES, T5_ENCODER_RULES, VAE_RULES, MeshSpec
 
 log = logging.getLogger(__name__)
 
@@ -48,56 +47,8 @@ FAMILY = "cogvideox"
 COMPONENTS = ("scheduler", "text_encoder", "tokenizer", "transformer", "vae")
 SCHEDULERS = {"ddim": "CogVideoXDDIMScheduler", "dpm": "CogVideoXDPMScheduler"}
 GROUP_NORMS = ("stock", "jnp_var")
-VAE_SHARDINGS = ("replicated", "width")  # width: split the decode's frame width over all devices (seeds 000/001)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
-
-
-# --- values passed between stages ----------------------------------------------------------------------------
-@dataclass
-class TextEmbeddings:
-    """Stage 1 output: T5 embeddings for the prompt and the negative prompt, CPU tensors ``[1, L, D]``."""
-
-    prompt_embeds: torch.Tensor
-    negative_prompt_embeds: torch.Tensor
-    prompt: str
-    negative_prompt: str
-    model_signature: str
-
-
-@dataclass
-class VideoLatents:
-    """Stage 2 output: denoised latents ``[B, C, T, H/8, W/8]`` float32 on CPU, before VAE scaling."""
-
-    latents: torch.Tensor
-    height: int
-    width: int
-    num_frames: int
-    model_signature: str
-
-
-@dataclass
-class SampleSettings:
-    height: int
-    width: int
-    num_frames: int
-    steps: int = 50
-    guidance: float = 6.0
-    seed: int = 0
-    scheduler: str | None = None  # "ddim" | "dpm" | None: the model folder's own
-    dynamic_cfg: bool = False
-
-
-@dataclass
-class StageTimings:
-    """Seconds spent per stage, split into compile and run, and how many XLA programs each compiled."""
-
-    load: float = 0.0
-    compile: dict[str, float] = field(default_factory=dict)
-    run: dict[str, float] = field(default_factory=dict)
-    compiles: dict[str, int] = field(default_factory=dict)
-    cache_hits: dict[str, int] = field(default_factory=dict)
-    programs: dict[str, object] = field(default_factory=dict)  # each stage's latest CompiledProgram (time, memory)
+_C_SAMPLE, _C_MODEL, _C_DIV, _A, _M1, _P, _Q, _D, _GUIDANCE = range(len(COGVIDEOX_COEFFS))
 
 
 # --- model folder --------------------------------------------------------------------------------------------
@@ -182,30 +133,21 @@ def frame_rule(generation: str) -> int:
 
 def model_signature(folder: Path) -> str:
     """A short hash of the component configs: stage files record it, so files from another model are refused."""
-    h = hashlib.sha256()
-    for name in ("text_encoder", "transformer", "vae"):
-        config = json.loads((folder / name / "config.json").read_text())
-        config = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("torch_dtype", "dtype")}
-        h.update(name.encode() + json.dumps(config, sort_keys=True).encode())
-    return h.hexdigest()[:16]
+    return config_signature({name: json.loads((folder / name / "config.json").read_text())
+                             for name in ("text_encoder", "transformer", "vae")})
 
 
 # --- the family ----------------------------------------------------------------------------------------------
-class CogVideoXFamily:
+class CogVideoXFamily(ModelFamily):
     """A loaded CogVideoX model. Components load and move to the devices on first use, once."""
+
+    FAMILY = FAMILY
 
     def __init__(self, path: str | Path, dtype: str = "auto", runtime: Runtime | None = None,
                  mesh: "str | dict | MeshSpec | None" = None, attention: "AttentionConfig | str | None" = None,
                  fsdp: bool = False, vae_sharding: str = "replicated"):
         self.path = resolve_model_path(path)
         self.index = inspect_model_folder(self.path)
-        self.runtime = runtime or get_runtime()
-        if dtype == "auto":
-            dtype = "float32" if self.runtime.backend == "cpu" else "bfloat16"
-        if dtype not in DTYPES:
-            raise InputError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
-        self.dtype_name = dtype
-        self.dtype = DTYPES[dtype]
         self.transformer_config = json.loads((self.path / "transformer" / "config.json").read_text())
         self.vae_config = json.loads((self.path / "vae" / "config.json").read_text())
         self.generation = generation_of(self.transformer_config)
@@ -213,56 +155,33 @@ class CogVideoXFamily:
         self.text_len = int(self.transformer_config.get("max_text_seq_length", 226))
         self.vae_scale_spatial = 2 ** (len(self.vae_config["block_out_channels"]) - 1)
         self.vae_scale_temporal = int(self.vae_config.get("temporal_compression_ratio", 4))
-        self.heads = int(self.transformer_config["num_attention_heads"])
-        devices = len(self.runtime.devices)
-        self.mesh_spec = parse_mesh(mesh) or default_mesh(devices, self.heads)
-        validate_mesh(self.mesh_spec, devices, self.heads)
-        self.mesh = self.runtime.make_mesh(self.mesh_spec)
-        if isinstance(attention, str) or attention is None:
-            attention = AttentionConfig(impl=attention or "auto")
-        self.attention = attention.resolve(self.runtime.backend)
-        self.fsdp = bool(fsdp)
-        if vae_sharding not in VAE_SHARDINGS:
-            raise InputError(f"vae_sharding must be one of {VAE_SHARDINGS}, got {vae_sharding!r}")
-        self.vae_sharding = vae_sharding
-        self.timings = StageTimings()
-        self._parts: dict[str, object] = {}
-        self._states: dict[str, dict] = {}
+        self._setup(dtype, runtime, mesh, attention, fsdp, heads=self.transformer_config["num_attention_heads"],
+                    vae_sharding=vae_sharding)
 
     # --- loading ---------------------------------------------------------------------------------------------
-    def _component(self, name: str):
-        if name in self._parts:
-            return self._parts[name]
-        start = time.perf_counter()
+    def _load_component(self, name: str):
         if name == "tokenizer":
             from transformers import AutoTokenizer
 
-            part = AutoTokenizer.from_pretrained(self.path / "tokenizer")
-        elif name == "text_encoder":
+            return AutoTokenizer.from_pretrained(self.path / "tokenizer")
+        if name == "text_encoder":
             from transformers import T5EncoderModel
 
-            part = T5EncoderModel.from_pretrained(self.path / "text_encoder", dtype=self.dtype).eval()
-        elif name == "transformer":
+            return T5EncoderModel.from_pretrained(self.path / "text_encoder", dtype=self.dtype).eval()
+        if name == "transformer":
             from diffusers import CogVideoXTransformer3DModel
 
             part = CogVideoXTransformer3DModel.from_pretrained(self.path / "transformer", dtype=self.dtype).eval()
             part.set_attn_processor(CogVideoXFunctionalAttnProcessor())
-        elif name == "vae":
+            return part
+        if name == "vae":
             from diffusers import AutoencoderKLCogVideoX
 
-            part = AutoencoderKLCogVideoX.from_pretrained(self.path / "vae", dtype=self.dtype).eval()
-        else:
-            raise KeyError(name)
-        if isinstance(part, torch.nn.Module):
-            part.requires_grad_(False)
-            rules = {"text_encoder": T5_ENCODER_RULES, "transformer": COGVIDEOX_TRANSFORMER_RULES}.get(name, VAE_RULES)
-            self._states[name] = self.runtime.module_state(part, self.mesh, rules, fsdp=self.fsdp)
-            # The device copy is the one used from now on; free the host copy (real models are many GB).
-            part.to("meta")
-        self._parts[name] = part
-        self.timings.load += time.perf_counter() - start
-        log.info("loaded %s/%s in %.1f s", self.path.name, name, time.perf_counter() - start)
-        return part
+            return AutoencoderKLCogVideoX.from_pretrained(self.path / "vae", dtype=self.dtype).eval()
+        raise KeyError(name)
+
+    def _rules_for(self, name: str):
+        return {"text_encoder": T5_ENCODER_RULES, "transformer": COGVIDEOX_TRANSFORMER_RULES}.get(name, VAE_RULES)
 
     def scheduler(self, name: str | None = None):
         """A fresh diffusers scheduler from the folder's config; ``name`` ("ddim"/"dpm") overrides its class."""
@@ -273,7 +192,7 @@ class CogVideoXFamily:
         cls_name = config.get("_class_name", SCHEDULERS["ddim"])
         if name is not None:
             if name not in SCHEDULERS:
-                raise InputError(f"scheduler must be one of {sorted(SCHEDULERS)}, got {name!r}")
+                raise InputError(f"scheduler {name!r} is not one CogVideoX uses: pick one of {sorted(SCHEDULERS)}")
             cls_name = SCHEDULERS[name]
         if cls_name not in SCHEDULERS.values():
             raise ModelFolderError(
@@ -282,19 +201,18 @@ class CogVideoXFamily:
             )
         return getattr(diffusers, cls_name).from_config(config)
 
-    def release(self) -> None:
-        """Drop the device copies of the weights (ComfyUI's 'unload models')."""
-        self._states.clear()
-        self._parts.clear()
+    def native_size(self) -> tuple[int, int, int]:
+        c = self.transformer_config
+        s = self.vae_scale_spatial
+        return c["sample_height"] * s, c["sample_width"] * s, c["sample_frames"]
+
+    def default_fps(self) -> int:
+        return 16 if self.generation == "1.5" else 8
 
     # --- validation ------------------------------------------------------------------------------------------
     def validate(self, height: int, width: int, num_frames: int) -> None:
         """Raise ``InputError`` for sizes this model cannot take, before anything compiles."""
-        problems = []
-        for name, value in (("height", height), ("width", width)):
-            if not isinstance(value, int) or value <= 0 or value % 16:
-                fixed = max(16, int(round(value / 16)) * 16) if isinstance(value, (int, float)) else 16
-                problems.append(f"{name}={value} must be a positive multiple of 16 (e.g. {fixed})")
+        problems = size_problems(height, width, 16)
         if self.transformer_config.get("patch_size_t") and not problems:
             # 1.5's RoPE grid is sliced out of one built for the training size: larger frames have no positions.
             max_h = self.transformer_config["sample_height"] * self.vae_scale_spatial
@@ -302,26 +220,22 @@ class CogVideoXFamily:
             if height > max_h or width > max_w:
                 problems.append(f"height x width = {height}x{width} exceeds the {max_h}x{max_w} this "
                                 f"CogVideoX-{self.generation} model has positions for: use at most {max_h}x{max_w}")
-        rule = frame_rule(self.generation)
-        if not isinstance(num_frames, int) or num_frames < 1 or (num_frames - 1) % rule:
-            k = max(0, round((num_frames - 1) / rule)) if isinstance(num_frames, (int, float)) else 0
-            native = 81 if self.generation == "1.5" else 49
-            problems.append(
-                f"frames={num_frames} must be {rule}*N+1 for CogVideoX-{self.generation} "
-                f"(e.g. {k * rule + 1} or {native}, the native length)"
-            )
+        native = 81 if self.generation == "1.5" else 49
+        problem = frame_problem(num_frames, frame_rule(self.generation), native, f"CogVideoX-{self.generation}")
+        if problem:
+            problems.append(problem)
         if problems:
             raise InputError("; ".join(problems))
 
-    def check_made_here(self, value: "TextEmbeddings | VideoLatents") -> None:
-        """Refuse embeddings or latents that a model of another architecture made."""
-        if value.model_signature == self.signature:
-            return
-        if isinstance(value, TextEmbeddings):
-            raise StageFileError("the text embeddings were made by a different model than the one sampling: "
-                                 "re-run the text encode stage with this model")
-        raise StageFileError("the latents were sampled by a different model than the one decoding: decode with "
-                             "the model that sampled them, or re-run sampling")
+    def validate_settings(self, s: SampleSettings) -> None:
+        """Options of another family are refused, never silently ignored."""
+        for name, value, fix in (("shift", s.shift, "flow shift is a Wan option"),
+                                 ("guidance_2", s.guidance_2, "only two-expert Wan 2.2 models have a second guidance"),
+                                 ("boundary", s.boundary, "only two-expert Wan 2.2 models have a boundary")):
+            if value is not None:
+                raise InputError(f"{name}={value} does not apply to CogVideoX ({fix}): leave it unset")
+        if s.scheduler is not None and s.scheduler not in SCHEDULERS:
+            raise InputError(f"scheduler {s.scheduler!r} is not one CogVideoX uses: pick one of {sorted(SCHEDULERS)}")
 
     # --- stage 1: text -----------------------------------------------------------------------------------------
     def tokenize(self, texts: list[str]) -> torch.Tensor:
@@ -346,7 +260,7 @@ class CogVideoXFamily:
         dtype = self.dtype
 
         def encode_fn(state, ids):
-            return encoder_fn(state, ids)[0].astype(_jax_dtype(dtype))
+            return encoder_fn(state, ids)[0].astype(jax_dtype(dtype))
 
         ids_dev = self.runtime.put(ids.to(torch.int32), self.runtime.sharding(self.mesh))
         program = self._compile("encode", encode_fn, (self.dtype_name, tuple(ids.shape)), state, ids_dev,
@@ -406,19 +320,13 @@ class CogVideoXFamily:
 
         s = settings
         self.validate(s.height, s.width, s.num_frames)
-        if not isinstance(s.steps, int) or s.steps < 1:
-            raise InputError(f"steps={s.steps} must be a positive whole number (50 is the usual choice)")
-        self.check_made_here(embeddings)
-        expected = (1, self.text_len, int(self.transformer_config["text_embed_dim"]))
-        if tuple(embeddings.prompt_embeds.shape) != expected:
-            raise StageFileError(
-                f"text embeddings have shape {tuple(embeddings.prompt_embeds.shape)}, this model takes {expected}: "
-                "re-run the text encode stage with this model"
-            )
+        self.validate_settings(s)
+        self.check_steps(s.steps)
+        self.check_embeddings(embeddings, (1, self.text_len, int(self.transformer_config["text_embed_dim"])))
         scheduler = self.scheduler(s.scheduler)
         stochastic = type(scheduler).__name__ == SCHEDULERS["dpm"]
         cfg = s.guidance > 1.0
-        validate_mesh(self.mesh_spec, len(self.runtime.devices), self.heads, batch=2 if cfg else 1)
+        self.check_cfg_mesh(cfg)
         shape, pad = self.latent_shape(s.height, s.width, s.num_frames)
 
         # Random draws, on CPU, in diffusers' order: the initial noise, then (DPM) the noise of every step.
@@ -429,12 +337,12 @@ class CogVideoXFamily:
         latents = latents * scheduler.init_noise_sigma
         scheduler.set_timesteps(s.steps, device="cpu")
         timesteps = scheduler.timesteps
-        plan = step_coefficients(scheduler, timesteps, s.guidance, s.dynamic_cfg)
+        plan = cogvideox_plan(scheduler, timesteps, s.guidance, s.dynamic_cfg, dpm=stochastic)
 
         self._component("transformer")
         transformer_fn = self.runtime.module_function(self._parts["transformer"])
         state = self._states["transformer"]
-        model_dtype = _jax_dtype(self.dtype)
+        model_dtype = jax_dtype(self.dtype)
 
         batch_sharding = self.runtime.sharding(self.mesh, ("dp",))
         replicated = self.runtime.sharding(self.mesh)
@@ -467,33 +375,31 @@ class CogVideoXFamily:
         noise_zero = put(torch.zeros(shape, dtype=self.dtype))  # DDIM adds no noise (its coefficient D is 0)
         old_x0 = put(torch.zeros(shape, dtype=torch.float32))  # no previous x0 before the first step (Q is 0)
         example = (state, latents_dev, embeds_dev, put(torch.zeros((1,), dtype=torch.int32)),
-                   put(torch.zeros((len(_COEFFS),), dtype=torch.float32)), noise_zero, old_x0, rope_dev)
+                   put(torch.zeros((len(COGVIDEOX_COEFFS),), dtype=torch.float32)), noise_zero, old_x0, rope_dev)
         key = (self.generation, self.dtype_name, cfg, shape, tuple(embeds.shape), self.attention)
         with attention_scope(self.attention, self.mesh):
             program = self._compile("sample", step_fn, key, *example,
                                     describe=f"sampler step for {s.num_frames}x{s.height}x{s.width} "
                                     f"({'CFG batch 2' if cfg else 'no CFG'}, mesh {self.mesh_spec}, "
                                     f"{self.attention.impl} attention)")
-        start = time.perf_counter()
-        for i, t in enumerate(timesteps):
-            if should_stop is not None and should_stop():
-                raise Interrupted(f"sampling interrupted before step {i + 1} of {len(timesteps)}")
+        carry = {"latents": latents_dev, "old_x0": old_x0}
+
+        def step(i):
             noise = noise_zero
             if stochastic:
                 noise = randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=self.dtype)
                 if plan.second_draw[i]:
                     noise = randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=self.dtype)
                 noise = put(noise)
-            latents_dev, old_x0 = program(
-                state, latents_dev, embeds_dev, put(torch.tensor([int(t)], dtype=torch.int32)),
-                put(torch.from_numpy(plan.coeffs[i])), noise, old_x0, rope_dev,
+            carry["latents"], carry["old_x0"] = program(
+                state, carry["latents"], embeds_dev, put(torch.tensor([int(timesteps[i])], dtype=torch.int32)),
+                put(torch.from_numpy(plan.coeffs[i])), noise, carry["old_x0"], rope_dev,
             )
-            # JAX dispatches asynchronously: without waiting, the loop would queue every step at once, the
-            # progress bar would race ahead of the device and Cancel could not stop the steps already queued.
-            # A step takes seconds on real models; the wait costs only the next dispatch's latency.
-            latents_dev.block_until_ready()
-            if on_step is not None:
-                on_step(i + 1, len(timesteps))
+            return carry["latents"]
+
+        self.run_steps(len(timesteps), step, on_step, should_stop)
+        start = time.perf_counter()
+        latents_dev = carry["latents"]
         result = self.runtime.to_cpu(latents_dev)
         self._record_run("sample", start)
         result = result[:, pad:].permute(0, 2, 1, 3, 4).float().contiguous()
@@ -534,95 +440,6 @@ class CogVideoXFamily:
         frames = self.runtime.to_cpu(program(state, z_dev))
         self._record_run("decode", start)
         return frames
-
-    def _vae_input_spec(self, shape) -> tuple:
-        """``width``: latents [B, C, T, H, W] split on W over every mesh axis that divides it (XLA adds the conv
-        halos); otherwise replicated."""
-        if self.vae_sharding != "width":
-            return ()
-        axes = tuple(a for a, n in self.mesh.shape.items() if n > 1)
-        devices = self.mesh_spec.devices
-        return (None, None, None, None, axes) if axes and shape[-1] % devices == 0 else ()
-
-    # --- helpers -----------------------------------------------------------------------------------------------
-    def _compile(self, stage: str, fn, key, *example, describe: str):
-        from .runtime import compile_stats
-
-        before = compile_stats()
-        start = time.perf_counter()
-        full_key = (FAMILY, stage, self.signature, key, self.mesh_spec.sizes, self.fsdp)
-        program = self.runtime.compiled(full_key, fn, *example, describe=describe)
-        self.timings.programs[stage] = self.runtime.program_info(full_key)
-        self.timings.compile[stage] = self.timings.compile.get(stage, 0.0) + time.perf_counter() - start
-        delta = compile_stats().since(before)
-        self.timings.compiles[stage] = self.timings.compiles.get(stage, 0) + delta.xla_compiles
-        self.timings.cache_hits[stage] = self.timings.cache_hits.get(stage, 0) + delta.persistent_cache_hits
-        return program
-
-    def _record_run(self, stage: str, start: float) -> None:
-        self.timings.run[stage] = self.timings.run.get(stage, 0.0) + time.perf_counter() - start
-
-
-# --- scheduler coefficients ----------------------------------------------------------------------------------
-# One step computes, with s the latents, m the (guided) model output and o the previous step's x0:
-#   x0   = (C_SAMPLE * s - C_MODEL * m) / C_DIV
-#   prev = A * s - M1 * (P * x0 - Q * o) + D * noise
-# which is exactly diffusers' CogVideoXDDIMScheduler.step (M1 = -b_t, P = 1, Q = D = 0) and
-# CogVideoXDPMScheduler.step (the first-order and the second-order branch) for every prediction type.
-_COEFFS = ("C_SAMPLE", "C_MODEL", "C_DIV", "A", "M1", "P", "Q", "D", "GUIDANCE")
-_C_SAMPLE, _C_MODEL, _C_DIV, _A, _M1, _P, _Q, _D, _GUIDANCE = range(len(_COEFFS))
-
-
-@dataclass
-class StepPlan:
-    coeffs: list[np.ndarray]  # one float32 vector per step
-    second_draw: list[bool]  # DPM draws a second noise tensor on its second-order steps
-
-
-def step_coefficients(scheduler, timesteps: torch.Tensor, guidance: float, dynamic_cfg: bool) -> StepPlan:
-    """Per-step coefficient vectors, computed with diffusers' scheduler tensors and formulas on the host."""
-    steps = scheduler.num_inference_steps
-    stride = scheduler.config.num_train_timesteps // steps
-    prediction = scheduler.config.prediction_type
-    dpm = type(scheduler).__name__ == SCHEDULERS["dpm"]
-    one = torch.tensor(1.0)
-    coeffs, second = [], []
-    for i, t in enumerate(timesteps):
-        t = int(t)
-        prev_t = t - stride
-        alpha = scheduler.alphas_cumprod[t]
-        alpha_prev = scheduler.alphas_cumprod[prev_t] if prev_t >= 0 else scheduler.final_alpha_cumprod
-        beta = 1 - alpha
-        if prediction == "v_prediction":
-            c_sample, c_model, c_div = alpha**0.5, beta**0.5, one
-        elif prediction == "epsilon":
-            c_sample, c_model, c_div = one, beta**0.5, alpha**0.5
-        elif prediction == "sample":
-            c_sample, c_model, c_div = torch.tensor(0.0), -one, one
-        else:
-            raise ModelFolderError(f"scheduler prediction_type {prediction!r} is not supported")
-        zero = torch.tensor(0.0)
-        if not dpm:
-            a_t = ((1 - alpha_prev) / (1 - alpha)) ** 0.5
-            b_t = alpha_prev**0.5 - alpha**0.5 * a_t
-            row, draw2 = (a_t, -b_t, one, zero, zero), False
-        else:
-            back = scheduler.alphas_cumprod[int(timesteps[i - 1])] if i > 0 else None
-            h, r, _, _ = scheduler.get_variables(alpha, alpha_prev, back)
-            mult = list(scheduler.get_mult(h, r, alpha, alpha_prev, back))
-            mult_noise = (1 - alpha_prev) ** 0.5 * (1 - (-2 * h).exp()) ** 0.5
-            draw2 = i > 0 and prev_t >= 0
-            if draw2:
-                row = (mult[0], mult[1], mult[2], mult[3], mult_noise)
-            else:
-                row = (mult[0], mult[1], one, zero, mult_noise)
-        g = guidance
-        if dynamic_cfg:
-            g = 1 + guidance * ((1 - math.cos(math.pi * ((steps - t) / steps) ** 5.0)) / 2)
-        values = [c_sample, c_model, c_div, *row, g]
-        coeffs.append(np.array([float(v) for v in values], dtype=np.float32))
-        second.append(draw2)
-    return StepPlan(coeffs, second)
 
 
 # --- transformer attention -------------------------------------------------------------------------------------
@@ -719,9 +536,3 @@ def _var_group_norm_forward(module: torch.nn.GroupNorm):
         return call_jax(group_norm_jnp_var, x, module.weight, module.bias, module.num_groups, module.eps)
 
     return forward
-
-
-def _jax_dtype(dtype: torch.dtype):
-    import jax.numpy as jnp
-
-    return {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16}[dtype]

@@ -37,6 +37,23 @@ T5_ENCODER_RULES: tuple[tuple[str, tuple], ...] = (
     (r"encoder\.block\.\d+\.layer\.1\.DenseReluDense\.wo\.weight$", (None, "tp")),
 )
 
+# Wan: self-attention (attn1), cross-attention (attn2: q from video, k/v from text) and the feed-forward, all
+# Megatron-split; the q/k RMS norms span all heads, so their weights follow q/k's split.
+WAN_TRANSFORMER_RULES: tuple[tuple[str, tuple], ...] = (
+    (r"blocks\.\d+\.attn[12]\.(to_[qkv]|add_[kv]_proj)\.weight$", ("tp", None)),
+    (r"blocks\.\d+\.attn[12]\.(to_[qkv]|add_[kv]_proj)\.bias$", ("tp",)),
+    (r"blocks\.\d+\.attn[12]\.norm_(q|k|added_k)\.weight$", ("tp",)),
+    (r"blocks\.\d+\.attn[12]\.to_out\.0\.weight$", (None, "tp")),
+    (r"blocks\.\d+\.ffn\.net\.0\.proj\.weight$", ("tp", None)),
+    (r"blocks\.\d+\.ffn\.net\.0\.proj\.bias$", ("tp",)),
+    (r"blocks\.\d+\.ffn\.net\.2\.weight$", (None, "tp")),
+)
+
+# umT5 (Wan's text encoder) has T5's names, plus a relative-position bias in every layer: split it on heads.
+UMT5_ENCODER_RULES: tuple[tuple[str, tuple], ...] = T5_ENCODER_RULES + (
+    (r"encoder\.block\.\d+\.layer\.0\.SelfAttention\.relative_attention_bias\.weight$", (None, "tp")),
+)
+
 VAE_RULES: tuple[tuple[str, tuple], ...] = ()  # replicated: the VAE's work is split by sharding its input
 
 

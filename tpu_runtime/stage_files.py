@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .cogvideox import TextEmbeddings, VideoLatents
+from .family import TextEmbeddings, VideoLatents
 from .errors import StageFileError
 
 EMBEDDINGS_FILE = "stage1_embeddings.safetensors"

@@ -161,3 +161,270 @@ def build_tiny_cogvideox(directory: str | Path, generation: str = "2b", seed: in
     )
     log.info("built tiny random-weight CogVideoX-%s model in %s", generation, directory)
     return directory
+
+
+# --- Wan ---------------------------------------------------------------------------------------------------------
+WAN_GENERATIONS = ("2.1", "2.2-A14B", "2.2-TI2V-5B")
+
+
+@dataclass(frozen=True)
+class TinyWanSpec:
+    """How large a tiny Wan model is. Heads are 128 wide as in every released Wan (ComfyUI's files do not record
+    the head count, so single-file loading assumes it)."""
+
+    heads: int = 2
+    layers: int = 2
+    ffn: int = 64
+    text_dim: int = 32
+    vae_base_dim: int = 8
+
+
+def _train_spiece(path: Path) -> None:
+    """A small real SentencePiece (unigram) model with umT5's special ids: pad 0, eos 1, unk 2, no bos."""
+    import io
+
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(_CORPUS * 4), model_writer=model, vocab_size=96, model_type="unigram",
+        pad_id=0, eos_id=1, unk_id=2, bos_id=-1, hard_vocab_limit=False, minloglevel=2,
+    )
+    path.write_bytes(model.getvalue())
+
+
+def _exact(t, fp8: bool):
+    """Round a weight so that every file format the tests write holds it exactly: bfloat16 values (fp16-exact
+    too once tiny magnitudes are zeroed), and for matrices, fp8_e4m3fn values times a power-of-two scale."""
+    import torch
+
+    t = t.to(torch.bfloat16).float()
+    t[t.abs() < 2.0**-14] = 0.0
+    if fp8 and t.ndim == 2 and t.abs().max() > 0:
+        scale = 2.0 ** torch.round(torch.log2(t.abs().max() / 448.0))
+        t = (t / scale).to(torch.float8_e4m3fn).float() * scale
+        t[t.abs() < 2.0**-14] = 0.0
+    return t
+
+
+def build_tiny_wan(directory: str | Path, generation: str = "2.1", seed: int = 0,
+                   spec: TinyWanSpec | None = None) -> Path:
+    """Write a tiny random-weight Wan ``generation`` folder in diffusers format and return its path.
+
+    "2.1": one transformer, Wan 2.1 VAE (z 16); "2.2-A14B": two experts (boundary 0.875); "2.2-TI2V-5B": 48
+    latent channels, the Wan 2.2 VAE (2x2 patches, x16) and ``expand_timesteps``. Weights are rounded so the
+    ComfyUI-format exports (``export_comfy_files``) in fp16, bf16 and scaled fp8 hold exactly the same numbers.
+    """
+    import torch
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
+
+    from .wan import DEFAULT_SCHEDULER, DEFAULT_SHIFT
+    from .wan_files import WAN21_LATENTS, WAN22_LATENTS
+
+    if generation not in WAN_GENERATIONS:
+        raise ValueError(f"generation must be one of {WAN_GENERATIONS}, got {generation!r}")
+    spec = spec or TinyWanSpec()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    ti2v = generation == "2.2-TI2V-5B"
+
+    (directory / "tokenizer").mkdir(exist_ok=True)
+    spm = directory / "tokenizer" / "spiece.model"
+    _train_spiece(spm)
+    tokenizer = T5TokenizerFast(vocab_file=str(spm), extra_ids=0)
+    tokenizer.save_pretrained(directory / "tokenizer")
+
+    def randomise(module, fp8=False, std=0.05):
+        with torch.no_grad():
+            for p in module.parameters():
+                p.copy_(_exact(torch.randn_like(p) * std, fp8))
+        return module
+
+    t5 = UMT5EncoderModel(UMT5Config(
+        vocab_size=len(tokenizer), d_model=spec.text_dim, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
+        dropout_rate=0.0, is_encoder_decoder=False,
+    )).eval()
+    randomise(t5, std=0.3)
+    t5.save_pretrained(directory / "text_encoder")
+
+    channels = 48 if ti2v else 16
+    experts = ["transformer", "transformer_2"] if generation == "2.2-A14B" else ["transformer"]
+    for name in experts:
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=spec.heads, attention_head_dim=128, in_channels=channels,
+            out_channels=channels, text_dim=spec.text_dim, freq_dim=32, ffn_dim=spec.ffn, num_layers=spec.layers,
+            cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+        ).eval()
+        randomise(transformer, fp8=True)
+        transformer.save_pretrained(directory / name)
+
+    if ti2v:
+        vae = AutoencoderKLWan(base_dim=spec.vae_base_dim, decoder_base_dim=spec.vae_base_dim, z_dim=48,
+                               is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+                               scale_factor_spatial=16, **WAN22_LATENTS)
+    else:
+        vae = AutoencoderKLWan(base_dim=spec.vae_base_dim, z_dim=16, **WAN21_LATENTS)
+    randomise(vae.eval(), std=0.1)
+    vae.save_pretrained(directory / "vae")
+
+    config = {k: v for k, v in DEFAULT_SCHEDULER.items() if not k.startswith("_")}
+    UniPCMultistepScheduler(**config, flow_shift=DEFAULT_SHIFT[generation]).save_pretrained(directory / "scheduler")
+    model_index = {
+        "_class_name": "WanPipeline",
+        "_diffusers_version": "0.42.1",
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "T5TokenizerFast"],
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "transformer_2": ["diffusers", "WanTransformer3DModel"] if len(experts) == 2 else [None, None],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+        "boundary_ratio": 0.875 if len(experts) == 2 else None,
+        "expand_timesteps": ti2v,
+    }
+    (directory / "model_index.json").write_text(json.dumps(model_index, indent=2))
+    (directory / TINY_MARKER).write_text(
+        f"Tiny Wan-{generation}-shaped model with RANDOM weights (seed {seed}).\n"
+        "It produces noise, not video; it exists to test and demonstrate the pipeline.\n"
+    )
+    log.info("built tiny random-weight Wan-%s model in %s", generation, directory)
+    return directory
+
+
+# diffusers -> original Wan names, the inverse of what ComfyUI's files hold (written out independently of
+# diffusers' own converter, which the loader uses, so a test of one against the other means something).
+_WAN_TO_ORIGINAL = (
+    ("condition_embedder.time_embedder.linear_1.", "time_embedding.0."),
+    ("condition_embedder.time_embedder.linear_2.", "time_embedding.2."),
+    ("condition_embedder.text_embedder.linear_1.", "text_embedding.0."),
+    ("condition_embedder.text_embedder.linear_2.", "text_embedding.2."),
+    ("condition_embedder.time_proj.", "time_projection.1."),
+    ("proj_out.", "head.head."),
+)
+
+
+def wan_transformer_to_original(name: str) -> str:
+    import re
+
+    if name == "scale_shift_table":
+        return "head.modulation"
+    for old, new in _WAN_TO_ORIGINAL:
+        if name.startswith(old):
+            return new + name[len(old):]
+    m = re.match(r"blocks\.(\d+)\.(.*)", name)
+    if not m:
+        return name
+    n, rest = m.groups()
+    swaps = (("attn1.", "self_attn."), ("attn2.", "cross_attn."), ("ffn.net.0.proj.", "ffn.0."),
+             ("ffn.net.2.", "ffn.2."), ("norm2.", "norm3."), ("scale_shift_table", "modulation"))
+    for old, new in swaps:
+        if rest.startswith(old):
+            rest = new + rest[len(old):]
+            break
+    for old, new in ((".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."), (".to_out.0.", ".o.")):
+        rest = rest.replace(old, new)
+    return f"blocks.{n}.{rest}"
+
+
+def _vae_residual_to_original(rest: str) -> str:
+    for old, new in (("norm1.gamma", "residual.0.gamma"), ("conv1.", "residual.2."), ("norm2.gamma", "residual.3.gamma"),
+                     ("conv2.", "residual.6."), ("conv_shortcut.", "shortcut.")):
+        if rest.startswith(old):
+            return new + rest[len(old):]
+    return rest
+
+
+def wan_vae_to_original(name: str, num_res_blocks: int, residual: bool) -> str:
+    import re
+
+    fixed = {"quant_conv.": "conv1.", "post_quant_conv.": "conv2.", "encoder.conv_in.": "encoder.conv1.",
+             "decoder.conv_in.": "decoder.conv1.", "encoder.norm_out.": "encoder.head.0.",
+             "encoder.conv_out.": "encoder.head.2.", "decoder.norm_out.": "decoder.head.0.",
+             "decoder.conv_out.": "decoder.head.2."}
+    for old, new in fixed.items():
+        if name.startswith(old):
+            return new + name[len(old):]
+    if m := re.match(r"(encoder|decoder)\.mid_block\.(resnets|attentions)\.(\d)\.(.*)", name):
+        part, kind, i, rest = m.groups()
+        if kind == "attentions":
+            return f"{part}.middle.1.{rest}"
+        return f"{part}.middle.{2 * int(i)}.{_vae_residual_to_original(rest)}"
+    if residual:
+        if m := re.match(r"encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.(.*)", name):
+            s, j, rest = m.groups()
+            return f"encoder.downsamples.{s}.downsamples.{j}.{_vae_residual_to_original(rest)}"
+        if m := re.match(r"encoder\.down_blocks\.(\d+)\.downsampler\.(.*)", name):
+            s, rest = m.groups()
+            return f"encoder.downsamples.{s}.downsamples.{num_res_blocks}.{rest}"
+        if m := re.match(r"decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(.*)", name):
+            s, j, rest = m.groups()
+            return f"decoder.upsamples.{s}.upsamples.{j}.{_vae_residual_to_original(rest)}"
+        if m := re.match(r"decoder\.up_blocks\.(\d+)\.upsampler\.(.*)", name):
+            s, rest = m.groups()
+            return f"decoder.upsamples.{s}.upsamples.{num_res_blocks + 1}.{rest}"
+    else:
+        if m := re.match(r"encoder\.down_blocks\.(\d+)\.(.*)", name):
+            n, rest = m.groups()
+            return f"encoder.downsamples.{n}.{_vae_residual_to_original(rest)}"
+        per_stage = num_res_blocks + 2  # the decoder's residual blocks, then its up-sampler, in one flat list
+        if m := re.match(r"decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(.*)", name):
+            s, j, rest = m.groups()
+            return f"decoder.upsamples.{int(s) * per_stage + int(j)}.{_vae_residual_to_original(rest)}"
+        if m := re.match(r"decoder\.up_blocks\.(\d+)\.upsamplers\.0\.(.*)", name):
+            s, rest = m.groups()
+            return f"decoder.upsamples.{int(s) * per_stage + num_res_blocks + 1}.{rest}"
+    raise KeyError(f"no original Wan VAE name for {name}")
+
+
+def _fp8_scaled(tensors: dict) -> dict:
+    """ComfyUI's "scaled" fp8: matrices as float8_e4m3fn with a 0-dim float32 ``scale_weight``, plus the marker."""
+    import torch
+
+    out = {}
+    for key, t in tensors.items():
+        if t.ndim == 2 and key.endswith(".weight") and t.abs().max() > 0:
+            scale = 2.0 ** torch.round(torch.log2(t.float().abs().max() / 448.0))
+            out[key] = (t.float() / scale).to(torch.float8_e4m3fn)
+            out[key[: -len("weight")] + "scale_weight"] = scale.reshape(()).float()
+        else:
+            out[key] = t
+    out["scaled_fp8"] = torch.zeros(0, dtype=torch.float8_e4m3fn)
+    return out
+
+
+def export_comfy_files(folder: str | Path, out: str | Path, fmt: str = "fp16",
+                       prefix: str = "model.diffusion_model.") -> dict[str, Path]:
+    """Write a tiny Wan diffusers folder as the single files ComfyUI's templates use: the transformer(s) in the
+    original key names (``fmt``: fp32, fp16, bf16 or fp8_scaled), umT5 with its SentencePiece model inside, the
+    VAE in the original names. Returns {"transformer", ["transformer_2"], "text_encoder", "vae"} -> path."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder, out = Path(folder), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8_scaled": torch.float32}
+    paths = {}
+    for name in ("transformer", "transformer_2"):
+        if not (folder / name).is_dir():
+            continue
+        state = load_file(str(folder / name / "diffusion_pytorch_model.safetensors"))
+        tensors = {prefix + wan_transformer_to_original(k): v.to(dtypes[fmt]) for k, v in state.items()}
+        if fmt == "fp8_scaled":
+            tensors = _fp8_scaled(tensors)
+        paths[name] = out / f"wan_{name}_{fmt}.safetensors"
+        save_file(tensors, str(paths[name]))
+    text = load_file(str(folder / "text_encoder" / "model.safetensors"))
+    text = {k: v.to(torch.float16) for k, v in text.items() if k != "encoder.embed_tokens.weight"}
+    spm = (folder / "tokenizer" / "spiece.model").read_bytes()
+    text["spiece_model"] = torch.frombuffer(bytearray(spm), dtype=torch.uint8)
+    paths["text_encoder"] = out / "umt5_fp16.safetensors"
+    save_file(text, str(paths["text_encoder"]))
+    vae_config = json.loads((folder / "vae" / "config.json").read_text())
+    vae = load_file(str(folder / "vae" / "diffusion_pytorch_model.safetensors"))
+    vae = {wan_vae_to_original(k, vae_config["num_res_blocks"], vae_config.get("is_residual", False)):
+           v.to(torch.bfloat16) for k, v in vae.items()}
+    paths["vae"] = out / "wan_vae_bf16.safetensors"
+    save_file(vae, str(paths["vae"]))
+    return paths

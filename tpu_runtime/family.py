@@ -1,0 +1,285 @@
+"""What every model family shares: the values passed between stages, the settings, the timings, and the base
+class that turns a family's three stage functions into compiled programs on a mesh.
+
+A family module (``cogvideox.py``, ``wan.py``) holds only what is particular to its models: how a folder or file
+is recognised and loaded, how text is encoded, what one denoising step computes and how latents are decoded.
+Everything here is the same for all of them:
+
+- dtype, mesh and attention choices, validated before anything compiles;
+- weights placed on the devices once, by the family's sharding rule table, and the host copy freed;
+- the program table entry for a stage (key = family, stage, model signature, shapes, options, mesh), and the
+  compile time and XLA compile counts each stage spent;
+- the denoising loop: one compiled step program called once per step, waiting for each step so progress is
+  honest and Cancel stops at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .attention import AttentionConfig
+from .errors import InputError, Interrupted, StageFileError
+from .runtime import Runtime, compile_stats, get_runtime
+from .sharding import MeshSpec, default_mesh, parse_mesh, validate_mesh
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+VAE_SHARDINGS = ("replicated", "width")  # width: split the decode's frame width over all devices (seeds 000/001)
+
+
+# --- values passed between stages ----------------------------------------------------------------------------
+@dataclass
+class TextEmbeddings:
+    """Stage 1 output: text-encoder embeddings for the prompt and the negative prompt, CPU tensors ``[1, L, D]``."""
+
+    prompt_embeds: torch.Tensor
+    negative_prompt_embeds: torch.Tensor
+    prompt: str
+    negative_prompt: str
+    model_signature: str
+
+
+@dataclass
+class VideoLatents:
+    """Stage 2 output: denoised latents ``[B, C, T, h, w]`` float32 on CPU, before the VAE's scaling."""
+
+    latents: torch.Tensor
+    height: int
+    width: int
+    num_frames: int
+    model_signature: str
+
+
+@dataclass
+class SampleSettings:
+    """One generation's sampling settings. Options a model does not have are refused by its family, not ignored."""
+
+    height: int
+    width: int
+    num_frames: int
+    steps: int = 50
+    guidance: float = 6.0
+    seed: int = 0
+    scheduler: str | None = None  # None: the model's own
+    dynamic_cfg: bool = False  # CogVideoX only
+    shift: float | None = None  # Wan: flow shift; None: the model's scheduler config
+    guidance_2: float | None = None  # Wan 2.2 two experts: guidance of the low-noise expert (default: guidance)
+    boundary: float | None = None  # Wan 2.2 two experts: boundary ratio (default: the model's)
+
+
+@dataclass
+class StageTimings:
+    """Seconds spent per stage, split into compile and run, and how many XLA programs each compiled."""
+
+    load: float = 0.0
+    compile: dict[str, float] = field(default_factory=dict)
+    run: dict[str, float] = field(default_factory=dict)
+    compiles: dict[str, int] = field(default_factory=dict)
+    cache_hits: dict[str, int] = field(default_factory=dict)
+    programs: dict[str, object] = field(default_factory=dict)  # each stage's latest CompiledProgram (time, memory)
+
+
+def config_signature(configs: dict[str, dict]) -> str:
+    """A short hash of component configs: stage files record it, so files from another model are refused."""
+    h = hashlib.sha256()
+    for name in sorted(configs):
+        config = {k: v for k, v in configs[name].items()
+                  if not k.startswith("_") and k not in ("torch_dtype", "dtype")}
+        h.update(name.encode() + json.dumps(config, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+def nearest_multiple(value, multiple: int) -> int:
+    """The positive multiple of ``multiple`` nearest ``value`` (for error messages)."""
+    try:
+        return max(multiple, int(round(float(value) / multiple)) * multiple)
+    except (TypeError, ValueError):
+        return multiple
+
+
+def size_problems(height, width, multiple: int, why: str = "") -> list[str]:
+    """Messages for a height/width that is not a positive multiple of ``multiple``."""
+    problems = []
+    for name, value in (("height", height), ("width", width)):
+        if not isinstance(value, int) or value <= 0 or value % multiple:
+            problems.append(f"{name}={value} must be a positive multiple of {multiple}{why} "
+                            f"(e.g. {nearest_multiple(value, multiple)})")
+    return problems
+
+
+def frame_problem(num_frames, rule: int, native: int, model: str) -> str | None:
+    """A message for a frame count that is not ``rule * N + 1``, naming the nearest valid value."""
+    if isinstance(num_frames, int) and num_frames >= 1 and (num_frames - 1) % rule == 0:
+        return None
+    try:
+        k = max(0, round((float(num_frames) - 1) / rule))
+    except (TypeError, ValueError):
+        k = 0
+    return (f"frames={num_frames} must be {rule}*N+1 for {model} "
+            f"(e.g. {k * rule + 1} or {native}, the native length)")
+
+
+def jax_dtype(dtype: torch.dtype):
+    import jax.numpy as jnp
+
+    return {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16}[dtype]
+
+
+# --- the base class ------------------------------------------------------------------------------------------
+class ModelFamily:
+    """A loaded model of one family. Subclasses set ``FAMILY``, ``signature``, ``heads`` and the component loaders,
+    and implement ``validate``, ``encode``, ``sample``, ``decode`` with the helpers below."""
+
+    FAMILY = "?"
+    DEFAULT_GUIDANCE = 6.0
+
+    def _setup(self, dtype: str, runtime: Runtime | None, mesh, attention, fsdp: bool, heads: int,
+               vae_sharding: str = "replicated") -> None:
+        """dtype, mesh and attention for ``heads`` attention heads; call once the model's configs are read."""
+        if vae_sharding not in VAE_SHARDINGS:
+            raise InputError(f"vae_sharding must be one of {VAE_SHARDINGS}, got {vae_sharding!r}")
+        self.vae_sharding = vae_sharding
+        self.runtime = runtime or get_runtime()
+        if dtype == "auto":
+            dtype = "float32" if self.runtime.backend == "cpu" else "bfloat16"
+        if dtype not in DTYPES:
+            raise InputError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
+        self.dtype_name = dtype
+        self.dtype = DTYPES[dtype]
+        self.heads = int(heads)
+        devices = len(self.runtime.devices)
+        self.mesh_spec: MeshSpec = parse_mesh(mesh) or default_mesh(devices, self.heads)
+        validate_mesh(self.mesh_spec, devices, self.heads)
+        self.mesh = self.runtime.make_mesh(self.mesh_spec)
+        if isinstance(attention, str) or attention is None:
+            attention = AttentionConfig(impl=attention or "auto")
+        self.attention = attention.resolve(self.runtime.backend)
+        self.fsdp = bool(fsdp)
+        self.timings = StageTimings()
+        self._parts: dict[str, object] = {}
+        self._states: dict[str, dict] = {}
+
+    # --- components ------------------------------------------------------------------------------------------
+    def _load_component(self, name: str):
+        """Build component ``name`` on the host (a torch module or a tokenizer). Subclasses implement it."""
+        raise NotImplementedError
+
+    def _rules_for(self, name: str):
+        """The sharding rule table for component ``name``."""
+        return ()
+
+    def _component(self, name: str):
+        """Component ``name``, loaded once; torch modules are moved to the devices and their host copy freed."""
+        if name in self._parts:
+            return self._parts[name]
+        start = time.perf_counter()
+        part = self._load_component(name)
+        if isinstance(part, torch.nn.Module):
+            part.requires_grad_(False)
+            self._states[name] = self.runtime.module_state(part, self.mesh, self._rules_for(name), fsdp=self.fsdp)
+            # The device copy is the one used from now on; free the host copy (real models are many GB).
+            part.to("meta")
+        self._parts[name] = part
+        seconds = time.perf_counter() - start
+        self.timings.load += seconds
+        log.info("loaded %s %s in %.1f s", self.FAMILY, name, seconds)
+        return part
+
+    def release(self) -> None:
+        """Drop the device copies of the weights (ComfyUI's 'unload models')."""
+        self._states.clear()
+        self._parts.clear()
+
+    # --- checks ----------------------------------------------------------------------------------------------
+    def check_made_here(self, value: "TextEmbeddings | VideoLatents") -> None:
+        """Refuse embeddings or latents that a model of another architecture made."""
+        if value.model_signature == self.signature:
+            return
+        if isinstance(value, TextEmbeddings):
+            raise StageFileError("the text embeddings were made by a different model than the one sampling: "
+                                 "re-run the text encode stage with this model")
+        raise StageFileError("the latents were sampled by a different model than the one decoding: decode with "
+                             "the model that sampled them, or re-run sampling")
+
+    @staticmethod
+    def check_steps(steps) -> None:
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise InputError(f"steps={steps} must be a positive whole number (50 is the usual choice)")
+
+    def check_embeddings(self, embeddings: TextEmbeddings, expected: tuple[int, ...]) -> None:
+        self.check_made_here(embeddings)
+        if tuple(embeddings.prompt_embeds.shape) != tuple(expected):
+            raise StageFileError(
+                f"text embeddings have shape {tuple(embeddings.prompt_embeds.shape)}, this model takes "
+                f"{tuple(expected)}: re-run the text encode stage with this model"
+            )
+
+    def check_cfg_mesh(self, cfg: bool) -> None:
+        validate_mesh(self.mesh_spec, len(self.runtime.devices), self.heads, batch=2 if cfg else 1)
+
+    # --- programs --------------------------------------------------------------------------------------------
+    def _compile(self, stage: str, fn, key, *example, describe: str):
+        """The compiled program of ``stage`` for ``key`` (compiled on first use), with its cost recorded."""
+        before = compile_stats()
+        start = time.perf_counter()
+        full_key = (self.FAMILY, stage, self.signature, key, self.dtype_name, self.mesh_spec.sizes, self.fsdp)
+        program = self.runtime.compiled(full_key, fn, *example, describe=describe)
+        self.timings.programs[stage] = self.runtime.program_info(full_key)
+        self.timings.compile[stage] = self.timings.compile.get(stage, 0.0) + time.perf_counter() - start
+        delta = compile_stats().since(before)
+        self.timings.compiles[stage] = self.timings.compiles.get(stage, 0) + delta.xla_compiles
+        self.timings.cache_hits[stage] = self.timings.cache_hits.get(stage, 0) + delta.persistent_cache_hits
+        return program
+
+    def _record_run(self, stage: str, start: float) -> None:
+        self.timings.run[stage] = self.timings.run.get(stage, 0.0) + time.perf_counter() - start
+
+    def put(self, value, spec: tuple = ()):
+        """CPU tensors onto this model's mesh, placed by ``spec`` (replicated by default)."""
+        return self.runtime.put(value, self.runtime.sharding(self.mesh, spec))
+
+    def run_steps(self, count: int, step: Callable[[int], object], on_step=None, should_stop=None) -> None:
+        """Call ``step(i)`` for i in 0..count-1, waiting for each; ``should_stop()`` before each, ``on_step(i+1,
+        count)`` after. ``step`` returns a device array of its result to wait on."""
+        start = time.perf_counter()
+        for i in range(count):
+            if should_stop is not None and should_stop():
+                raise Interrupted(f"sampling interrupted before step {i + 1} of {count}")
+            result = step(i)
+            # JAX dispatches asynchronously: without waiting, the loop would queue every step at once, the
+            # progress bar would race ahead of the device and Cancel could not stop the steps already queued.
+            # A step takes seconds on real models; the wait costs only the next dispatch's latency.
+            result.block_until_ready()
+            if on_step is not None:
+                on_step(i + 1, count)
+        self._record_run("sample", start)
+
+    def _vae_input_spec(self, shape) -> tuple:
+        """``width``: latents [B, C, T, H, W] split on W over every mesh axis that divides it (XLA adds the conv
+        halos); otherwise replicated."""
+        if self.vae_sharding != "width":
+            return ()
+        axes = tuple(a for a, n in self.mesh.shape.items() if n > 1)
+        devices = self.mesh_spec.devices
+        return (None, None, None, None, axes) if axes and shape[-1] % devices == 0 else ()
+
+    # --- what the CLI and the nodes ask of every family --------------------------------------------------------
+    def native_size(self) -> tuple[int, int, int]:
+        """(height, width, frames) the model was trained at."""
+        raise NotImplementedError
+
+    def default_fps(self) -> int:
+        """Frames per second of the model's training videos (the mp4's default)."""
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        """Plain facts for generation_config.json."""
+        return {"family": self.FAMILY, "generation": self.generation, "model_signature": self.signature}

@@ -1,0 +1,204 @@
+"""One generation request, run stage by stage for any family: what ``python -m tpu_runtime generate`` does, and
+what ``bench`` and the tests call.
+
+``open_model`` recognises what the user pointed at (a CogVideoX or Wan diffusers folder, or Wan's ComfyUI single
+files) and returns the loaded family; ``generate`` runs encode → sample → decode (or one stage, from the files of
+the stage before) and writes the stage files, the frames, the mp4 and ``generation_config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("tpu_runtime")
+
+STAGES = ("all", "encode", "sample", "decode")
+
+
+@dataclass
+class GenerateRequest:
+    model: str | None
+    output_dir: str
+    prompt: str | None = None
+    negative_prompt: str = ""
+    height: int | None = None
+    width: int | None = None
+    frames: int | None = None
+    steps: int = 50
+    guidance: float | None = None  # None: the family's usual (6 for CogVideoX, 5 for Wan)
+    seed: int = 0
+    scheduler: str | None = None
+    dynamic_cfg: bool = False
+    shift: float | None = None
+    guidance_2: float | None = None
+    boundary: float | None = None
+    dtype: str = "auto"
+    fps: int | None = None  # None: the model's (8 for CogVideoX, 16 for Wan, 24 for TI2V-5B)
+    stage: str = "all"
+    vae_tiling: bool = False
+    group_norm: str = "stock"
+    cache_dir: str | None = None
+    mesh: str | None = None
+    attention: str = "auto"
+    block_q: int = 3328
+    block_kv: int = 2816
+    block_kv_compute: int = 256
+    exp2: bool = False
+    fsdp: bool = False
+    vae_sharding: str = "replicated"
+    # Wan from ComfyUI's single files, in place of --model
+    transformer: str | None = None
+    transformer_2: str | None = None
+    text_encoder: str | None = None
+    vae: str | None = None
+
+    def attention_config(self):
+        from .attention import AttentionConfig
+
+        return AttentionConfig(impl=self.attention, block_q=self.block_q, block_kv=self.block_kv,
+                               block_kv_compute=self.block_kv_compute, exp2=self.exp2)
+
+    def single_files(self) -> dict[str, str]:
+        return {k: v for k, v in (("transformer", self.transformer), ("transformer_2", self.transformer_2),
+                                  ("text_encoder", self.text_encoder), ("vae", self.vae)) if v}
+
+
+def open_model(req: GenerateRequest, runtime=None):
+    """The family for ``req.model`` (a CogVideoX or Wan diffusers folder) or for ``req``'s single files (Wan)."""
+    from .cogvideox import CogVideoXFamily, resolve_model_path
+    from .errors import InputError, ModelFolderError
+    from .wan import WanFamily, WanFiles
+
+    common = dict(dtype=req.dtype, runtime=runtime, mesh=req.mesh, attention=req.attention_config(),
+                  fsdp=req.fsdp, vae_sharding=req.vae_sharding)
+    files = req.single_files()
+    if req.model and files:
+        raise InputError(f"give --model or the single files ({', '.join('--' + k.replace('_', '-') for k in files)}),"
+                         " not both")
+    if files:
+        missing = [k for k in ("transformer", "text_encoder", "vae") if k not in files]
+        if missing:
+            raise InputError(f"single-file Wan needs {', '.join('--' + k.replace('_', '-') for k in missing)} too "
+                             "(the diffusion model, the umT5 text encoder and the VAE)")
+        return WanFamily(files=WanFiles(**{k: Path(v).expanduser() for k, v in files.items()}), **common)
+    if not req.model:
+        raise InputError("--model is required (a CogVideoX or Wan diffusers folder), or for Wan the single files "
+                         "--transformer, --text-encoder and --vae")
+    path = resolve_model_path(req.model)
+    index_file = path / "model_index.json"
+    if index_file.is_file():
+        try:
+            cls = json.loads(index_file.read_text()).get("_class_name", "")
+        except ValueError as exc:
+            raise ModelFolderError(f"{index_file} is not valid JSON ({exc}): re-download it") from exc
+        if cls.startswith("Wan"):
+            return WanFamily(path, **common)
+        if not cls.startswith("CogVideoX"):
+            raise ModelFolderError(f"{path} holds a {cls or 'unknown'} model: this pack runs CogVideoX and Wan "
+                                   "models; pick one of those folders")
+    elif path.is_file() and path.suffix == ".safetensors":
+        raise InputError(f"{path} is a single file: pass ComfyUI's Wan files as --transformer, --text-encoder and "
+                         "--vae instead of --model")
+    return CogVideoXFamily(path, **{k: v for k, v in common.items()})
+
+
+def generate(req: GenerateRequest, family=None) -> dict:
+    """Run the requested stage(s); return the generation config written to the output folder."""
+    from . import stage_files as sf
+    from .errors import InputError, StageFileError
+    from .family import SampleSettings
+    from .runtime import compile_stats, get_runtime
+    from .video import write_mp4
+
+    if req.stage not in STAGES:
+        raise InputError(f"--stage must be one of {STAGES}, got {req.stage!r}")
+    out = Path(req.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    wall_start = time.perf_counter()
+    runtime = get_runtime(cache_dir=req.cache_dir)
+    stats_before = compile_stats()
+    family = family or open_model(req, runtime)
+
+    native_h, native_w, native_f = family.native_size()
+    height, width, frames = req.height or native_h, req.width or native_w, req.frames or native_f
+    if req.stage == "decode":
+        latents = sf.load_latents(out)
+        family.check_made_here(latents)
+        for name, asked, saved in (("height", req.height, latents.height), ("width", req.width, latents.width),
+                                   ("frames", req.frames, latents.num_frames)):
+            if asked is not None and asked != saved:
+                raise StageFileError(
+                    f"--{name} {asked} differs from the {saved} the latents in {out} were sampled at: drop --{name} "
+                    "or re-run --stage sample"
+                )
+        height, width, frames = latents.height, latents.width, latents.num_frames
+    family.validate(height, width, frames)
+    fps = req.fps or family.default_fps()
+    if fps < 1:
+        raise InputError(f"--fps {fps} must be at least 1")
+    guidance = req.guidance if req.guidance is not None else family.DEFAULT_GUIDANCE
+    settings = SampleSettings(height, width, frames, req.steps, guidance, req.seed, req.scheduler, req.dynamic_cfg,
+                              req.shift, req.guidance_2, req.boundary)
+    if req.stage in ("all", "sample"):
+        family.validate_settings(settings)  # before the encode stage spends any time
+
+    config = {
+        **family.describe(), "dtype": family.dtype_name, "backend": runtime.backend,
+        "devices": len(runtime.devices), "mesh": str(family.mesh_spec), "attention": family.attention.impl,
+        "height": height, "width": width, "frames": frames, "fps": fps,
+    }
+    if req.stage in ("all", "encode"):
+        if not req.prompt:
+            raise InputError("--prompt is required for --stage all and --stage encode")
+        embeddings = family.encode(req.prompt, req.negative_prompt)
+        sf.save_embeddings(out, embeddings)
+        config.update(prompt=req.prompt, negative_prompt=req.negative_prompt)
+    if req.stage in ("all", "sample"):
+        if req.stage == "sample":
+            embeddings = sf.load_embeddings(out)
+        latents = family.sample(embeddings, settings, on_step=_log_step)
+        sf.save_latents(out, latents)
+        config.update(steps=req.steps, guidance=guidance, seed=req.seed, scheduler=req.scheduler or "model default",
+                      **{k: v for k, v in (("dynamic_cfg", req.dynamic_cfg), ("shift", req.shift),
+                                           ("guidance_2", req.guidance_2), ("boundary", req.boundary)) if v})
+    if req.stage in ("all", "decode"):
+        frames_tensor = family.decode(latents, tiling=req.vae_tiling, group_norm=req.group_norm)
+        sf.save_frames(out, frames_tensor)
+        write_mp4(frames_tensor, out / sf.VIDEO_FILE, fps=fps)
+        config.update(vae_tiling=req.vae_tiling, group_norm=req.group_norm)
+
+    t = family.timings
+    stats = compile_stats().since(stats_before)
+    timings = {
+        "load_s": round(t.load, 3),
+        "compile_s": {k: round(v, 3) for k, v in t.compile.items()},
+        "run_s": {k: round(v, 3) for k, v in t.run.items()},
+        "xla_compiles": dict(t.compiles),
+        "persistent_cache_hits": dict(t.cache_hits),
+        "xla_compiles_total": stats.xla_compiles,
+        "persistent_cache_hits_total": stats.persistent_cache_hits,
+        "wall_s": round(time.perf_counter() - wall_start, 3),
+    }
+    return sf.update_config(out, **config, timings={req.stage: timings})
+
+
+def _log_step(i: int, total: int) -> None:
+    log.info("step %d/%d", i, total)
+
+
+def print_summary(config: dict, stage: str, file=sys.stdout) -> None:
+    t = config["timings"][stage]
+    print(f"\nTiming summary ({config['backend']}, {config['devices']} device(s), {config['dtype']}):", file=file)
+    print(f"  {'stage':<8} {'compile s':>10} {'run s':>10} {'XLA compiles':>13} {'cache hits':>11}", file=file)
+    print(f"  {'load':<8} {'':>10} {t['load_s']:>10.2f}", file=file)
+    for name in ("encode", "sample", "decode"):
+        if name in t["run_s"]:
+            print(f"  {name:<8} {t['compile_s'].get(name, 0):>10.2f} {t['run_s'][name]:>10.2f} "
+                  f"{t['xla_compiles'].get(name, 0):>13} {t['persistent_cache_hits'].get(name, 0):>11}", file=file)
+    print(f"  total wall {t['wall_s']:.2f} s; all XLA programs: {t['xla_compiles_total']} compiled, "
+          f"{t['persistent_cache_hits_total']} from the persistent cache", file=file)

@@ -1,0 +1,563 @@
+"""Wan text-to-video on JAX through torchax: Wan 2.1 (1.3B, 14B), Wan 2.2 A14B (two experts) and TI2V-5B.
+
+The stages match diffusers' ``WanPipeline`` number for number (same weights, prompt and seed give the same
+frames); each is one compiled program per shape:
+
+- encode: umT5 on ``[negative, positive]`` with the attention mask, every row from the prompt's real length
+  (EOS included) on set to exact zeros, as diffusers does; 512 tokens.
+- sample: one program for a whole denoising step: both CFG branches as one batch of two (diffusers runs them as
+  two calls; the numbers are the same), the transformer, guidance, and the scheduler update. The scheduler
+  (flow-matching UniPC, the default, or flow-matching Euler) is a linear plan read off diffusers' own scheduler
+  (``schedulers.linear_plan``): its predictor-corrector history is carried between steps as arrays and its
+  coefficients enter as a small matrix, so N steps compile once and a new seed or prompt compiles nothing.
+  Wan 2.2's two experts have the same architecture, so they share that one program: a step passes the expert's
+  weights and guidance (``transformer`` at timesteps >= boundary_ratio x 1000, ``transformer_2`` below).
+  TI2V-5B's ``expand_timesteps`` gives every token the same timestep in text-to-video; the transformer computes
+  exactly the same numbers from the scalar timestep, which is what the program passes.
+- decode: the Wan VAE (one latent frame at a time with its causal conv cache, as diffusers does it), after
+  de-normalising the latents with the VAE's ``latents_mean``/``latents_std``.
+
+Models come from a diffusers folder (``model_index.json``) or from ComfyUI's single files (``wan_files.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .attention import AttentionConfig, attention_scope
+from .errors import InputError, ModelFolderError
+from .family import (
+    ModelFamily,
+    SampleSettings,
+    TextEmbeddings,
+    VideoLatents,
+    config_signature,
+    frame_problem,
+    jax_dtype,
+    size_problems,
+)
+from .runtime import Runtime
+from .schedulers import linear_plan
+from .sharding import UMT5_ENCODER_RULES, VAE_RULES, WAN_TRANSFORMER_RULES, MeshSpec
+
+log = logging.getLogger(__name__)
+
+FAMILY = "wan"
+TEXT_LEN = 512  # diffusers' WanPipeline max_sequence_length
+SCHEDULERS = ("unipc", "euler")
+COMPONENTS = ("scheduler", "text_encoder", "tokenizer", "transformer", "vae")
+# Scheduler of the released models (diffusers' conversion script): flow-matching UniPC, shift per generation.
+DEFAULT_SCHEDULER = {
+    "_class_name": "UniPCMultistepScheduler", "num_train_timesteps": 1000, "prediction_type": "flow_prediction",
+    "use_flow_sigmas": True, "solver_order": 2, "solver_type": "bh2", "predict_x0": True,
+    "lower_order_final": True, "final_sigmas_type": "zero", "timestep_spacing": "linspace",
+}
+DEFAULT_SHIFT = {"2.1": 3.0, "2.2-A14B": 12.0, "2.2-TI2V-5B": 5.0}
+DEFAULT_BOUNDARY = 0.875  # Wan 2.2 T2V-A14B
+DEFAULT_GUIDANCE = 5.0
+NATIVE = {"2.1-small": (480, 832, 81), "2.1": (720, 1280, 81), "2.2-A14B": (720, 1280, 81),
+          "2.2-TI2V-5B": (704, 1280, 121)}
+FPS = {"2.1": 16, "2.2-A14B": 16, "2.2-TI2V-5B": 24}
+_KEEP_FP32 = ("rope", "time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")  # diffusers' choice
+
+
+@dataclass
+class WanFiles:
+    """ComfyUI single files standing in for a diffusers folder."""
+
+    transformer: Path
+    text_encoder: Path
+    vae: Path
+    transformer_2: Path | None = None
+
+
+# --- recognising what the user has ---------------------------------------------------------------------------
+def inspect_wan_folder(path: Path) -> dict:
+    """Check that ``path`` is a complete diffusers Wan text-to-video folder; return its model_index."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise ModelFolderError(f"model folder {folder} does not exist: pass the folder that holds model_index.json "
+                               "(e.g. a download of Wan-AI/Wan2.1-T2V-1.3B-Diffusers)")
+    index_file = folder / "model_index.json"
+    if not index_file.is_file():
+        raise ModelFolderError(f"{folder} is not a diffusers model folder: model_index.json is missing. Download "
+                               "the whole diffusers repository, or load ComfyUI's single files instead")
+    index = json.loads(index_file.read_text())
+    cls = index.get("_class_name", "")
+    if not cls.startswith("Wan"):
+        raise ModelFolderError(f"{folder} holds a {cls or 'unknown'} model, not Wan: pick a Wan folder")
+    if cls != "WanPipeline":
+        raise ModelFolderError(f"{folder} holds a {cls} model; only text-to-video WanPipeline models are supported "
+                               "so far: use Wan2.1-T2V-1.3B/14B, Wan2.2-T2V-A14B or Wan2.2-TI2V-5B")
+    missing = []
+    wanted = list(COMPONENTS) + (["transformer_2"] if _present(index.get("transformer_2")) else [])
+    for name in wanted:
+        sub = folder / name
+        if not sub.is_dir():
+            missing.append(f"{name}/ (folder missing)")
+        elif name in ("text_encoder", "transformer", "transformer_2", "vae"):
+            if not (sub / "config.json").is_file():
+                missing.append(f"{name}/config.json")
+            if not any(p.name.endswith(".safetensors") for p in sub.iterdir()):
+                missing.append(f"{name}/*.safetensors (no weights)")
+        elif name == "scheduler" and not (sub / "scheduler_config.json").is_file():
+            missing.append("scheduler/scheduler_config.json")
+        elif name == "tokenizer" and not any((sub / f).is_file() for f in ("tokenizer.json", "spiece.model")):
+            missing.append("tokenizer/tokenizer.json or spiece.model")
+    if missing:
+        raise ModelFolderError(f"model folder {folder} is incomplete, missing: {', '.join(missing)}. Re-download "
+                               "those files from the model's diffusers repository")
+    return index
+
+
+def _present(entry) -> bool:
+    return isinstance(entry, list) and len(entry) == 2 and entry[0] is not None
+
+
+def is_wan_folder(path: Path) -> bool:
+    try:
+        return json.loads((Path(path) / "model_index.json").read_text()).get("_class_name", "").startswith("Wan")
+    except (OSError, ValueError):
+        return False
+
+
+def generation_of(transformer_config: dict, vae_config: dict, two_experts: bool) -> str:
+    """"2.1", "2.2-A14B" (two experts) or "2.2-TI2V-5B" (48-channel Wan 2.2 VAE)."""
+    if two_experts:
+        return "2.2-A14B"
+    if int(vae_config.get("z_dim", 16)) == 48:
+        return "2.2-TI2V-5B"
+    return "2.1"
+
+
+# --- the family ----------------------------------------------------------------------------------------------
+class WanFamily(ModelFamily):
+    """A loaded Wan model, from a diffusers folder or ComfyUI single files. Components load on first use, once."""
+
+    FAMILY = FAMILY
+    DEFAULT_GUIDANCE = DEFAULT_GUIDANCE
+
+    def __init__(self, path: str | Path | None = None, *, files: WanFiles | None = None, dtype: str = "auto",
+                 runtime: Runtime | None = None, mesh: "str | dict | MeshSpec | None" = None,
+                 attention: "AttentionConfig | str | None" = None, fsdp: bool = False,
+                 vae_sharding: str = "replicated"):
+        if (path is None) == (files is None):
+            raise InputError("give either a Wan diffusers folder or the single files (transformer, text encoder, "
+                             "VAE), not both")
+        self.files = files
+        self.path = Path(path).expanduser() if path is not None else None
+        self._names: dict[str, dict[str, str]] = {}  # single files: file key -> module name, per component
+        if self.path is not None:
+            self.index = inspect_wan_folder(self.path)
+            self.transformer_config = _read_config(self.path / "transformer")
+            self.vae_config = _read_config(self.path / "vae")
+            self.text_config = _read_config(self.path / "text_encoder")
+            self.two_experts = _present(self.index.get("transformer_2"))
+            self.transformer_2_config = _read_config(self.path / "transformer_2") if self.two_experts else None
+            self.scheduler_config = json.loads((self.path / "scheduler" / "scheduler_config.json").read_text())
+            self.boundary_ratio = self.index.get("boundary_ratio")
+            self.expand_timesteps = bool(self.index.get("expand_timesteps", False))
+        else:
+            self._inspect_files(files)
+        self.generation = generation_of(self.transformer_config, self.vae_config, self.two_experts)
+        if self.two_experts and self.boundary_ratio is None:
+            raise ModelFolderError("a two-expert Wan model needs boundary_ratio in model_index.json (0.875 for "
+                                   "Wan2.2-T2V-A14B): add it, or re-download model_index.json")
+        if self.transformer_2_config is not None and _arch(self.transformer_2_config) != _arch(self.transformer_config):
+            raise ModelFolderError("the two experts (transformer and transformer_2) have different architectures: "
+                                   "both must be the high- and low-noise halves of one Wan 2.2 model")
+        configs = {"transformer": self.transformer_config, "vae": self.vae_config, "text_encoder": self.text_config}
+        self.signature = config_signature(configs)
+        self.vae_scale_spatial = int(self.vae_config.get("scale_factor_spatial", 8))
+        self.vae_scale_temporal = int(self.vae_config.get("scale_factor_temporal", 4))
+        self.size_multiple = self.vae_scale_spatial * int(self.transformer_config["patch_size"][1])
+        self._setup(dtype, runtime, mesh, attention, fsdp, heads=self.transformer_config["num_attention_heads"],
+                    vae_sharding=vae_sharding)
+
+    def _inspect_files(self, files: WanFiles) -> None:
+        from .wan_files import transformer_names, umt5_names, vae_names
+
+        for what, p in (("transformer", files.transformer), ("text encoder", files.text_encoder),
+                        ("VAE", files.vae), ("transformer_2", files.transformer_2)):
+            if p is not None and not Path(p).is_file():
+                raise ModelFolderError(f"{what} file {p} does not exist: check the path (ComfyUI keeps them in "
+                                       "models/diffusion_models, models/text_encoders and models/vae)")
+        self.transformer_config, self._names["transformer"] = transformer_names(files.transformer)
+        self.two_experts = files.transformer_2 is not None
+        self.transformer_2_config = None
+        if self.two_experts:
+            self.transformer_2_config, self._names["transformer_2"] = transformer_names(files.transformer_2)
+        self.text_config, self._names["text_encoder"] = umt5_names(files.text_encoder)
+        self.vae_config, self._names["vae"] = vae_names(files.vae)
+        if self.text_config["d_model"] != self.transformer_config["text_dim"]:
+            raise ModelFolderError(f"text encoder {files.text_encoder} gives {self.text_config['d_model']}-wide "
+                                   f"embeddings, the transformer takes {self.transformer_config['text_dim']}: use "
+                                   "the umT5-XXL file made for Wan")
+        if self.vae_config["z_dim"] != self.transformer_config["out_channels"]:
+            raise ModelFolderError(f"VAE {files.vae} has {self.vae_config['z_dim']} latent channels, the transformer "
+                                   f"{self.transformer_config['out_channels']}: use wan2.2_vae with TI2V-5B and "
+                                   "wan_2.1_vae with every other Wan model")
+        generation = generation_of(self.transformer_config, self.vae_config, self.two_experts)
+        self.scheduler_config = dict(DEFAULT_SCHEDULER, flow_shift=DEFAULT_SHIFT[generation])
+        self.boundary_ratio = DEFAULT_BOUNDARY if self.two_experts else None
+        self.expand_timesteps = generation == "2.2-TI2V-5B"
+
+    # --- loading ---------------------------------------------------------------------------------------------
+    def _load_component(self, name: str):
+        from .weights import TensorSource, load_into_meta_module, meta_tensors, safetensors_files
+
+        if name == "tokenizer":
+            if self.path is not None:
+                from transformers import AutoTokenizer
+
+                return AutoTokenizer.from_pretrained(self.path / "tokenizer")
+            from .wan_files import SentencePieceTokenizer
+
+            return SentencePieceTokenizer.from_file(self.files.text_encoder)
+        if name in ("transformer", "transformer_2"):
+            from diffusers import WanTransformer3DModel
+            from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+
+            config = self.transformer_config if name == "transformer" else self.transformer_2_config
+            build = lambda: WanTransformer3DModel(**_init_kwargs(WanTransformer3DModel, config))  # noqa: E731
+            keep, ignore = _KEEP_FP32, (r"norm_added_q",)
+        elif name == "vae":
+            from diffusers import AutoencoderKLWan
+
+            config = self.vae_config
+            build = lambda: AutoencoderKLWan(**_init_kwargs(AutoencoderKLWan, config))  # noqa: E731
+            keep, ignore = (), ()
+        elif name == "text_encoder":
+            from transformers import UMT5Config, UMT5EncoderModel
+
+            config = self.text_config
+            build = lambda: UMT5EncoderModel(UMT5Config(**_init_kwargs(None, config)))  # noqa: E731
+            keep, ignore = (), ()
+        else:
+            raise KeyError(name)
+        if self.path is not None:
+            source = TensorSource(safetensors_files(self.path / name))
+            names = {k: k for k in source.keys()}
+            where = self.path / name
+        else:
+            path = {"transformer": self.files.transformer, "transformer_2": self.files.transformer_2,
+                    "text_encoder": self.files.text_encoder, "vae": self.files.vae}[name]
+            source, names, where = TensorSource([path]), self._names[name], path
+        ties = {"encoder.embed_tokens.weight": "shared.weight"} if name == "text_encoder" else None
+        part = load_into_meta_module(build, source, names, self.dtype, f"Wan {name} ({where})", keep_fp32=keep,
+                                     ties=ties, ignore=ignore)
+        if name in ("transformer", "transformer_2"):
+            # RoPE tables are buffers computed at construction, not stored: build them for real.
+            part.rope = WanRotaryPosEmbed(config["attention_head_dim"], tuple(config["patch_size"]),
+                                          config.get("rope_max_seq_len", 1024))
+            part.set_attn_processor(WanFunctionalAttnProcessor())
+        left = meta_tensors(part)
+        if left:
+            raise ModelFolderError(f"Wan {name} ({where}) left {len(left)} tensor(s) unset (e.g. {left[:3]})")
+        return part
+
+    def _rules_for(self, name: str):
+        return {"text_encoder": UMT5_ENCODER_RULES, "transformer": WAN_TRANSFORMER_RULES,
+                "transformer_2": WAN_TRANSFORMER_RULES}.get(name, VAE_RULES)
+
+    def scheduler(self, name: str | None = None, shift: float | None = None):
+        """A fresh diffusers scheduler: the model's UniPC (or ``name`` "euler"), with ``shift`` if given."""
+        import diffusers
+
+        config = dict(self.scheduler_config)
+        model_shift = config.get("flow_shift", config.get("shift", 1.0))
+        shift = model_shift if shift is None else float(shift)
+        if name is None:
+            cls_name = config.get("_class_name", "UniPCMultistepScheduler")
+            name = {"UniPCMultistepScheduler": "unipc", "FlowMatchEulerDiscreteScheduler": "euler"}.get(cls_name)
+            if name is None:
+                raise ModelFolderError(f"the model's scheduler {cls_name} is not supported: pick scheduler "
+                                       f"{' or '.join(SCHEDULERS)}")
+        if name == "unipc":
+            return diffusers.UniPCMultistepScheduler.from_config(
+                {k: v for k, v in config.items() if k != "shift"}, flow_shift=shift)
+        if name == "euler":
+            return diffusers.FlowMatchEulerDiscreteScheduler(
+                num_train_timesteps=int(config.get("num_train_timesteps", 1000)), shift=shift)
+        raise InputError(f"scheduler {name!r} is not one Wan uses: pick one of {list(SCHEDULERS)}")
+
+    # --- facts ---------------------------------------------------------------------------------------------------
+    def native_size(self) -> tuple[int, int, int]:
+        if self.generation == "2.1":
+            small = self.transformer_config["num_attention_heads"] * self.transformer_config["attention_head_dim"]
+            return NATIVE["2.1-small" if small <= 2048 else "2.1"]
+        return NATIVE[self.generation]
+
+    def default_fps(self) -> int:
+        return FPS[self.generation]
+
+    def describe(self) -> dict:
+        source = str(self.path) if self.path is not None else {k: str(v) for k, v in vars(self.files).items() if v}
+        return {**super().describe(), "source": source, "two_experts": self.two_experts}
+
+    # --- validation ------------------------------------------------------------------------------------------
+    def validate(self, height: int, width: int, num_frames: int) -> None:
+        """Raise ``InputError`` for sizes this model cannot take, before anything compiles."""
+        m = self.size_multiple
+        why = f" for Wan {self.generation} (VAE x{self.vae_scale_spatial}, 2x2 patches)" if m != 16 else ""
+        problems = size_problems(height, width, m, why)
+        problem = frame_problem(num_frames, self.vae_scale_temporal, self.native_size()[2], f"Wan {self.generation}")
+        if problem:
+            problems.append(problem)
+        if problems:
+            raise InputError("; ".join(problems))
+
+    def validate_settings(self, s: SampleSettings) -> None:
+        """Settings this model cannot use are refused, never silently ignored."""
+        if s.dynamic_cfg:
+            raise InputError("dynamic_cfg is a CogVideoX option; Wan has no dynamic guidance: turn it off")
+        if s.scheduler is not None and s.scheduler not in SCHEDULERS:
+            raise InputError(f"scheduler {s.scheduler!r} is not one Wan uses: pick one of {list(SCHEDULERS)}")
+        if not self.two_experts:
+            for name, value in (("guidance_2", s.guidance_2), ("boundary", s.boundary)):
+                if value is not None:
+                    raise InputError(f"{name}={value} applies only to two-expert Wan 2.2 models (A14B); this model "
+                                     f"has one transformer: leave {name} unset")
+        if s.boundary is not None and not 0.0 < float(s.boundary) < 1.0:
+            raise InputError(f"boundary={s.boundary} must be between 0 and 1 (0.875 for Wan2.2-T2V-A14B)")
+        if s.shift is not None and not float(s.shift) > 0:
+            raise InputError(f"shift={s.shift} must be positive (3 to 12 for Wan; default: the model's)")
+
+    # --- stage 1: text -----------------------------------------------------------------------------------------
+    def tokenize(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        tokenizer = self._component("tokenizer")
+        texts = [prompt_clean(t) for t in texts]
+        if self.path is None:
+            return tokenizer(texts, TEXT_LEN)
+        out = tokenizer(texts, padding="max_length", max_length=TEXT_LEN, truncation=True, add_special_tokens=True,
+                        return_attention_mask=True, return_tensors="pt")
+        return out.input_ids, out.attention_mask
+
+    def encode(self, prompt: str, negative_prompt: str = "") -> TextEmbeddings:
+        import jax.numpy as jnp
+
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise InputError("prompt is empty: describe the video you want")
+        negative_prompt = negative_prompt or ""
+        ids, mask = self.tokenize([negative_prompt, prompt])
+        self._component("text_encoder")
+        encoder_fn = self.runtime.module_function(self._parts["text_encoder"])
+        state = self._states["text_encoder"]
+        dtype = jax_dtype(self.dtype)
+
+        def encode_fn(state, ids, mask):
+            hidden = encoder_fn(state, ids, attention_mask=mask)[0]
+            # Rows from the real length on become exact zeros (diffusers cuts each row at its length and pads).
+            return jnp.where(mask[..., None] > 0, hidden, 0).astype(dtype)
+
+        ids_dev, mask_dev = self.put(ids.to(torch.int32)), self.put(mask.to(torch.int32))
+        program = self._compile("encode", encode_fn, tuple(ids.shape), state, ids_dev, mask_dev,
+                                describe=f"umT5 text encoder for {ids.shape[1]} tokens")
+        start = time.perf_counter()
+        embeds = self.runtime.to_cpu(program(state, ids_dev, mask_dev))
+        self._record_run("encode", start)
+        return TextEmbeddings(embeds[1:2], embeds[0:1], prompt, negative_prompt, self.signature)
+
+    # --- stage 2: sampling -------------------------------------------------------------------------------------
+    def latent_shape(self, height: int, width: int, num_frames: int) -> tuple[int, ...]:
+        frames = (num_frames - 1) // self.vae_scale_temporal + 1
+        s = self.vae_scale_spatial
+        return (1, int(self.transformer_config["in_channels"]), frames, height // s, width // s)
+
+    def sample(self, embeddings: TextEmbeddings, settings: SampleSettings,
+               on_step: Callable[[int, int], None] | None = None,
+               should_stop: Callable[[], bool] | None = None) -> VideoLatents:
+        """Denoise from seeded noise; ``on_step(i, total)`` after each step, ``should_stop()`` before each."""
+        import jax
+        import jax.numpy as jnp
+        from diffusers.utils.torch_utils import randn_tensor
+
+        s = settings
+        self.validate(s.height, s.width, s.num_frames)
+        self.validate_settings(s)
+        self.check_steps(s.steps)
+        self.check_embeddings(embeddings, (1, TEXT_LEN, int(self.transformer_config["text_dim"])))
+        guidance = DEFAULT_GUIDANCE if s.guidance is None else float(s.guidance)
+        guidance_2 = guidance if s.guidance_2 is None else float(s.guidance_2)
+        cfg = guidance > 1.0  # as diffusers: the first guidance alone turns CFG on, for both experts
+        self.check_cfg_mesh(cfg)
+        scheduler = self.scheduler(s.scheduler, s.shift)
+        plan = linear_plan(scheduler, s.steps)
+        boundary = None
+        if self.two_experts:
+            ratio = self.boundary_ratio if s.boundary is None else float(s.boundary)
+            boundary = ratio * scheduler.config.num_train_timesteps
+
+        # The only random draw of text-to-video: the initial latents, float32, on the CPU generator.
+        generator = torch.Generator("cpu").manual_seed(int(s.seed))
+        shape = self.latent_shape(s.height, s.width, s.num_frames)
+        latents = randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=torch.float32)
+
+        experts = ["transformer"] + (["transformer_2"] if self.two_experts else [])
+        for name in experts:
+            self._component(name)
+        transformer_fn = self.runtime.module_function(self._parts["transformer"])
+        model_dtype = jax_dtype(self.dtype)
+        batch_sharding = self.runtime.sharding(self.mesh, ("dp",))
+        replicated = self.runtime.sharding(self.mesh)
+        kept, round_result = plan.kept, plan.round_to_model_dtype
+
+        def step_fn(state, x, kept_arrays, embeds, timestep, matrix, g):
+            xin = x.astype(model_dtype)
+            batch = jnp.concatenate([xin, xin]) if cfg else xin
+            batch = jax.lax.with_sharding_constraint(batch, batch_sharding)  # CFG's two halves on dp
+            t = jnp.broadcast_to(timestep, (batch.shape[0],))
+            out = transformer_fn(state, batch, t, embeds, return_dict=False)[0]
+            if cfg:
+                uncond, cond = jnp.split(out.astype(jnp.float32), 2)
+                out = (uncond + g[0] * (cond - uncond)).astype(model_dtype)
+            inputs = [x, out.astype(jnp.float32), *kept_arrays]
+            rows = [sum(matrix[r, c] * inputs[c] for c in range(len(inputs))) for r in range(1 + kept)]
+            if round_result:  # the scheduler casts its result to the model output's dtype
+                rows[0] = rows[0].astype(model_dtype).astype(jnp.float32)
+            # Outputs come back as the next step's inputs: keep them where the inputs are (replicated).
+            return (jax.lax.with_sharding_constraint(rows[0], replicated),
+                    tuple(jax.lax.with_sharding_constraint(r, replicated) for r in rows[1:]))
+
+        embeds = torch.cat([embeddings.negative_prompt_embeds, embeddings.prompt_embeds]) if cfg \
+            else embeddings.prompt_embeds
+        embeds_dev = self.put(embeds.to(self.dtype), ("dp",))
+        x_dev = self.put(latents)
+        kept_dev = tuple(self.put(torch.zeros(shape, dtype=torch.float32)) for _ in range(kept))
+        example = (self._states["transformer"], x_dev, kept_dev, embeds_dev, self.put(torch.zeros(1)),
+                   self.put(torch.zeros(plan.matrices[0].shape)), self.put(torch.zeros(1)))
+        key = (shape, tuple(embeds.shape), cfg, kept, round_result, self.attention)
+        with attention_scope(self.attention, self.mesh):
+            # Both experts share this program: same architecture, same shapes; only the weights passed differ.
+            program = self._compile("sample", step_fn, key, *example,
+                                    describe=f"Wan sampler step for {s.num_frames}x{s.height}x{s.width} "
+                                    f"({'CFG batch 2' if cfg else 'no CFG'}, mesh {self.mesh_spec}, "
+                                    f"{self.attention.impl} attention)")
+        carry = {"x": x_dev, "kept": kept_dev}
+
+        def step(i):
+            t = float(plan.timesteps[i])
+            second = boundary is not None and t < boundary
+            state = self._states["transformer_2" if second else "transformer"]
+            g = guidance_2 if second else guidance
+            carry["x"], carry["kept"] = program(
+                state, carry["x"], carry["kept"], embeds_dev, self.put(torch.tensor([t], dtype=torch.float32)),
+                self.put(torch.from_numpy(plan.matrices[i])), self.put(torch.tensor([g], dtype=torch.float32)))
+            return carry["x"]
+
+        self.run_steps(plan.steps, step, on_step, should_stop)
+        start = time.perf_counter()
+        result = self.runtime.to_cpu(carry["x"]).float().contiguous()
+        self._record_run("sample", start)
+        return VideoLatents(result, s.height, s.width, s.num_frames, self.signature)
+
+    # --- stage 3: decode ---------------------------------------------------------------------------------------
+    def decode(self, latents: VideoLatents, tiling: bool = False, group_norm: str = "stock") -> torch.Tensor:
+        """Frames ``[F, H, W, 3]`` float32 in 0..1 from stage-2 latents."""
+        import jax.numpy as jnp
+
+        from .errors import StageFileError
+
+        if tiling:
+            raise InputError("VAE tiling is a CogVideoX option here; the Wan VAE decodes one latent frame at a "
+                             "time already: turn tiling off (or split the decode over devices: vae_sharding width)")
+        if group_norm != "stock":
+            raise InputError("group_norm applies to the CogVideoX VAE; the Wan VAE has no GroupNorm: leave it stock")
+        self.check_made_here(latents)
+        z = latents.latents
+        channels = int(self.vae_config["z_dim"])
+        if z.ndim != 5 or z.shape[0] != 1 or z.shape[1] != channels:
+            raise StageFileError(f"latents have shape {tuple(z.shape)}; this model's VAE decodes "
+                                 f"[1, {channels}, T, H/{self.vae_scale_spatial}, W/{self.vae_scale_spatial}]")
+        vae = self._component("vae")
+        decode_fn = self.runtime.module_function(vae, "decode")
+        state = self._states["vae"]
+        mean = torch.tensor(self.vae_config["latents_mean"], dtype=torch.float32).view(1, channels, 1, 1, 1)
+        std_inv = 1.0 / torch.tensor(self.vae_config["latents_std"], dtype=torch.float32).view(1, channels, 1, 1, 1)
+        dtype = jax_dtype(self.dtype)
+
+        def frames_fn(state, z, mean, std_inv):
+            z = (z / std_inv + mean).astype(dtype)  # diffusers: latents / (1 / std) + mean
+            video = decode_fn(state, z, return_dict=False)[0]
+            video = jnp.clip(video.astype(jnp.float32) * 0.5 + 0.5, 0.0, 1.0)
+            return jnp.transpose(video[0], (1, 2, 3, 0))
+
+        z_dev = self.put(z.float(), self._vae_input_spec(z.shape))
+        mean_dev, std_dev = self.put(mean), self.put(std_inv)
+        key = (tuple(z.shape), self.vae_sharding)
+        program = self._compile("decode", frames_fn, key, state, z_dev, mean_dev, std_dev,
+                                describe=f"Wan VAE decode for {latents.num_frames}x{latents.height}x{latents.width}")
+        start = time.perf_counter()
+        frames = self.runtime.to_cpu(program(state, z_dev, mean_dev, std_dev))
+        self._record_run("decode", start)
+        return frames
+
+
+def _read_config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+def _arch(config: dict) -> dict:
+    return {k: v for k, v in config.items() if not k.startswith("_")}
+
+
+def _init_kwargs(cls, config: dict) -> dict:
+    """A saved config without its bookkeeping keys (``_class_name``, versions), as constructor arguments."""
+    import inspect
+
+    kwargs = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("torch_dtype", "dtype")}
+    if cls is None:
+        return kwargs
+    accepted = set(inspect.signature(cls.__init__).parameters)
+    return {k: v for k, v in kwargs.items() if k in accepted}
+
+
+# --- transformer attention -------------------------------------------------------------------------------------
+class WanFunctionalAttnProcessor:
+    """Wan attention as diffusers' ``WanAttnProcessor`` computes it, with RoPE applied by interleaving (stack)
+    instead of strided writes into ``empty_like`` (XLA:CPU miscompiled the in-place form of the same pattern
+    in CogVideoX; this form is exact and writes no large activation in place), and attention through
+    ``F.scaled_dot_product_attention``, which the runtime overrides."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        import torch.nn.functional as F
+
+        image_states = None
+        if attn.add_k_proj is not None and encoder_hidden_states is not None:
+            image_len = encoder_hidden_states.shape[1] - TEXT_LEN  # diffusers hard-codes 512 text tokens too
+            image_states = encoder_hidden_states[:, :image_len]
+            encoder_hidden_states = encoder_hidden_states[:, image_len:]
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        q, k, v = attn.to_q(hidden_states), attn.to_k(context), attn.to_v(context)
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))  # [B, L, H, D]
+        if rotary_emb is not None:
+            q, k = _rope(q, *rotary_emb), _rope(k, *rotary_emb)
+
+        def sdpa(q, k, v):
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 attn_mask=attention_mask, dropout_p=0.0, is_causal=False)
+            return out.transpose(1, 2).flatten(2, 3).type_as(q)
+
+        out = sdpa(q, k, v)
+        if image_states is not None:
+            k_img = attn.norm_added_k(attn.add_k_proj(image_states)).unflatten(2, (attn.heads, -1))
+            v_img = attn.add_v_proj(image_states).unflatten(2, (attn.heads, -1))
+            out = out + sdpa(q, k_img, v_img)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def _rope(x, cos, sin):
+    """diffusers' Wan RoPE (pairs (x[2i], x[2i+1]) rotated) written as one stack instead of strided stores."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
