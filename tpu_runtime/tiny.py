@@ -233,7 +233,7 @@ def build_tiny_wan(directory: str | Path, generation: str = "2.1", seed: int = 0
     (directory / "tokenizer").mkdir(exist_ok=True)
     spm = directory / "tokenizer" / "spiece.model"
     _train_spiece(spm)
-    tokenizer = T5TokenizerFast(vocab_file=str(spm), extra_ids=0)
+    tokenizer = T5TokenizerFast.from_pretrained(directory / "tokenizer", extra_ids=0)  # converts spiece.model
     tokenizer.save_pretrained(directory / "tokenizer")
 
     def randomise(module, fp8=False, std=0.05):
