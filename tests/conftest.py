@@ -35,6 +35,19 @@ def tiny_models(tmp_path_factory):
     return {g: build_tiny_cogvideox(base / f"cogvideox_{g}", g, seed=1) for g in GENERATIONS}
 
 
+# Wan: 64x64 (a multiple of TI2V-5B's 32) and 9 frames (3 latent frames).
+WAN_SIZE = (64, 64, 9)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan(tmp_path_factory):
+    """Tiny random-weight Wan folders of every generation, in diffusers format."""
+    from tpu_runtime.tiny import WAN_GENERATIONS, build_tiny_wan
+
+    base = tmp_path_factory.mktemp("tiny_wan")
+    return {g: build_tiny_wan(base / f"wan_{g}", g, seed=2) for g in WAN_GENERATIONS}
+
+
 @pytest.fixture(scope="session")
 def runtime():
     from tpu_runtime.runtime import get_runtime

@@ -36,3 +36,34 @@ def diffusers_frames(folder, prompt, negative, height, width, frames, steps, gui
         pipe.scheduler = original
         pipe.vae.disable_tiling()
     return out.frames[0]
+
+
+@functools.lru_cache(maxsize=8)
+def load_wan_pipeline(folder: str):
+    from diffusers import WanPipeline
+
+    return WanPipeline.from_pretrained(folder, torch_dtype=torch.float32)
+
+
+def wan_frames(folder, prompt, negative, height, width, frames, steps, guidance, seed, scheduler=None, shift=None,
+               guidance_2=None, boundary=None) -> np.ndarray:
+    """Frames ``[F, H, W, 3]`` float32 in 0..1 exactly as diffusers' WanPipeline makes them."""
+    import diffusers
+
+    pipe = load_wan_pipeline(str(folder))
+    original, original_boundary = pipe.scheduler, pipe.config.boundary_ratio
+    flow_shift = original.config.flow_shift if shift is None else shift
+    if scheduler == "euler":
+        pipe.scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=flow_shift)
+    elif shift is not None:
+        pipe.scheduler = diffusers.UniPCMultistepScheduler.from_config(original.config, flow_shift=shift)
+    if boundary is not None:
+        pipe.register_to_config(boundary_ratio=boundary)
+    try:
+        out = pipe(prompt, negative_prompt=negative, height=height, width=width, num_frames=frames,
+                   num_inference_steps=steps, guidance_scale=guidance, guidance_scale_2=guidance_2,
+                   generator=torch.Generator("cpu").manual_seed(seed), output_type="np")
+    finally:
+        pipe.scheduler = original
+        pipe.register_to_config(boundary_ratio=original_boundary)
+    return out.frames[0]

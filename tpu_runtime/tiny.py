@@ -236,10 +236,11 @@ def build_tiny_wan(directory: str | Path, generation: str = "2.1", seed: int = 0
     tokenizer = T5TokenizerFast.from_pretrained(directory / "tokenizer", extra_ids=0)  # converts spiece.model
     tokenizer.save_pretrained(directory / "tokenizer")
 
-    def randomise(module, fp8=False, std=0.05):
+    def randomise(module, fp8=False, std=0.05, stronger=(), strong_std=0.0):
         with torch.no_grad():
-            for p in module.parameters():
-                p.copy_(_exact(torch.randn_like(p) * std, fp8))
+            for name, p in module.named_parameters():
+                scale = strong_std if any(s in name for s in stronger) else std
+                p.copy_(_exact(torch.randn_like(p) * scale, fp8))
         return module
 
     t5 = UMT5EncoderModel(UMT5Config(
@@ -258,7 +259,9 @@ def build_tiny_wan(directory: str | Path, generation: str = "2.1", seed: int = 0
             out_channels=channels, text_dim=spec.text_dim, freq_dim=32, ffn_dim=spec.ffn, num_layers=spec.layers,
             cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
         ).eval()
-        randomise(transformer, fp8=True)
+        # A strong text path (cross-attention, text projection): prompts must visibly change the video, or a
+        # test could not tell a wrong text encoding from a right one.
+        randomise(transformer, fp8=True, stronger=("attn2.", "text_embedder."), strong_std=0.25)
         transformer.save_pretrained(directory / name)
 
     if ti2v:
