@@ -1,4 +1,4 @@
-"""TPU video nodes: a ComfyUI custom node pack running CogVideoX on TPU (and any JAX backend) through torchax.
+"""TPU video nodes: a ComfyUI custom node pack running CogVideoX and Wan on TPU (and any JAX backend) through torchax.
 
 ComfyUI imports this file at start-up. It only registers node classes: no device is touched until a node runs.
 """
@@ -13,7 +13,7 @@ if _here not in sys.path:
     sys.path.append(_here)
 
 from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
-from .nodes.cogvideox_nodes import install_comfy_unload_hook  # noqa: E402
+from .nodes.common import install_comfy_unload_hook  # noqa: E402
 
 install_comfy_unload_hook()  # ComfyUI's "free memory" also frees our device buffers
 

@@ -1,6 +1,13 @@
-"""Where the loader looks for CogVideoX folders: ComfyUI's ``models/diffusers`` and ``models/CogVideo`` (where the
-most popular GPU wrapper downloads them), plus every folder ``extra_model_paths.yaml`` adds under those names.
-Outside ComfyUI, ``$TPU_VIDEO_MODEL_DIRS`` (os.pathsep-separated) plays that role."""
+"""Where the loaders look for models.
+
+Diffusers folders (a ``model_index.json`` naming the pipeline): ComfyUI's ``models/diffusers``, plus
+``models/CogVideo`` for CogVideoX (where the most popular GPU wrapper downloads them), plus every folder
+``extra_model_paths.yaml`` adds under those names. Single files (Wan): ComfyUI's own ``diffusion_models`` (and the
+legacy ``unet``), ``text_encoders`` (and ``clip``) and ``vae`` folders, through ``folder_paths``.
+
+Outside ComfyUI, ``$TPU_VIDEO_MODEL_DIRS`` (os.pathsep-separated) plays that role: diffusers folders directly
+inside each entry, single files in its ``diffusion_models/``, ``text_encoders/`` and ``vae/`` subfolders.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +15,26 @@ import json
 import os
 from pathlib import Path
 
-FOLDER_NAMES = ("diffusers", "CogVideo")
 MODEL_DIRS_ENV = "TPU_VIDEO_MODEL_DIRS"
+FOLDER_NAMES = {"cogvideox": ("diffusers", "CogVideo"), "wan": ("diffusers",)}
+PIPELINES = {"cogvideox": ("CogVideoXPipeline",), "wan": ("WanPipeline",)}
+FILE_KINDS = ("diffusion_models", "text_encoders", "vae")
 
 
-def search_roots() -> list[Path]:
-    """The folders searched, in order, whether or not they exist."""
+def _env_roots() -> list[Path]:
+    return [Path(p).expanduser() for p in os.environ.get(MODEL_DIRS_ENV, "").split(os.pathsep) if p]
+
+
+def search_roots(family: str = "cogvideox") -> list[Path]:
+    """The folders searched for ``family``'s diffusers folders, in order, whether or not they exist."""
     try:
         import folder_paths
     except ImportError:
-        return [Path(p).expanduser() for p in os.environ.get(MODEL_DIRS_ENV, "").split(os.pathsep) if p]
+        return _env_roots()
     if "CogVideo" not in folder_paths.folder_names_and_paths:
         folder_paths.add_model_folder_path("CogVideo", os.path.join(folder_paths.models_dir, "CogVideo"))
     roots: list[Path] = []
-    for name in FOLDER_NAMES:
+    for name in FOLDER_NAMES[family]:
         try:
             roots += [Path(p) for p in folder_paths.get_folder_paths(name)]
         except KeyError:
@@ -29,22 +42,71 @@ def search_roots() -> list[Path]:
     return list(dict.fromkeys(roots))
 
 
-def _is_cogvideox_t2v(folder: Path) -> bool:
+def _pipeline(folder: Path) -> str:
     try:
-        index = json.loads((folder / "model_index.json").read_text())
+        return json.loads((folder / "model_index.json").read_text()).get("_class_name", "")
     except (OSError, ValueError):
-        return False
-    return index.get("_class_name") == "CogVideoXPipeline"
+        return ""
 
 
-def find_models() -> dict[str, Path]:
-    """Display name -> folder of every CogVideoX text-to-video folder directly inside a search root."""
+def find_models(family: str = "cogvideox") -> dict[str, Path]:
+    """Display name -> folder of every ``family`` text-to-video folder directly inside a search root."""
     found: dict[str, Path] = {}
-    for root in search_roots():
+    for root in search_roots(family):
         if not root.is_dir():
             continue
         for child in sorted(p for p in root.iterdir() if p.is_dir()):
-            if _is_cogvideox_t2v(child):
+            if _pipeline(child) in PIPELINES[family]:
                 name = child.name if child.name not in found else f"{root.name}/{child.name}"
                 found[name] = child
     return found
+
+
+def folder_path(family: str, name: str) -> Path:
+    """The folder a loader's ``model`` choice names, or a ModelFolderError listing where we looked."""
+    from tpu_runtime.errors import ModelFolderError
+
+    found = find_models(family)
+    if name not in found:
+        looked = ", ".join(str(r) for r in search_roots(family)) or "(no model folders configured)"
+        label = {"cogvideox": "CogVideoX", "wan": "Wan"}[family]
+        raise ModelFolderError(
+            f"{label} model {name!r} not found. Looked in: {looked}. Put a diffusers {label} folder (with "
+            "model_index.json) into one of them, or give its path in model_path"
+        )
+    return found[name]
+
+
+def find_files(kind: str) -> dict[str, Path]:
+    """Display name -> path of every .safetensors file of ComfyUI's folder type ``kind``."""
+    try:
+        import folder_paths
+    except ImportError:
+        found = {}
+        for root in _env_roots():
+            folder = root / kind
+            if folder.is_dir():
+                for p in sorted(folder.rglob("*.safetensors")):
+                    found.setdefault(str(p.relative_to(folder)), p)
+        return found
+    found = {}
+    for name in folder_paths.get_filename_list(kind):
+        if name.endswith(".safetensors"):
+            path = folder_paths.get_full_path(kind, name)
+            if path:
+                found[name] = Path(path)
+    return found
+
+
+def file_path(kind: str, name: str) -> Path:
+    """The file a loader's choice names, or a ModelFolderError saying where it should be."""
+    from tpu_runtime.errors import ModelFolderError
+
+    found = find_files(kind)
+    if name in found:
+        return found[name]
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    raise ModelFolderError(f"{name!r} is not in ComfyUI's models/{kind}/ (found: {', '.join(sorted(found)) or 'none'}"
+                           f"): put the file there, or pick one of those")

@@ -16,6 +16,11 @@ EXPECTED = {
     "TPUCogVideoXTextEncode": ("TPU_COGVIDEOX_EMBEDS",),
     "TPUCogVideoXSampler": ("LATENT",),
     "TPUCogVideoXDecode": ("IMAGE",),
+    "TPUWanLoader": ("TPU_WAN_MODEL",),
+    "TPUWanModelFilesLoader": ("TPU_WAN_MODEL",),
+    "TPUWanTextEncode": ("TPU_WAN_EMBEDS",),
+    "TPUWanSampler": ("LATENT",),
+    "TPUWanDecode": ("IMAGE",),
 }
 
 
@@ -35,7 +40,7 @@ def test_pack_registers_nodes(pack):
     assert set(pack.NODE_DISPLAY_NAME_MAPPINGS) == set(EXPECTED)
     for key, cls in pack.NODE_CLASS_MAPPINGS.items():
         assert cls.RETURN_TYPES == EXPECTED[key]
-        assert cls.CATEGORY == "TPU video/CogVideoX"
+        assert cls.CATEGORY == ("TPU video/Wan" if "Wan" in key else "TPU video/CogVideoX")
         assert callable(getattr(cls, cls.FUNCTION))
         inputs = cls.INPUT_TYPES()
         assert "required" in inputs
@@ -57,7 +62,7 @@ def test_import_touches_no_device():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["4", "False", "False"]
+    assert out.stdout.split() == [str(len(EXPECTED)), "False", "False"]
 
 
 def _run_chain(pack, model_dir, steps=3, seed=4, **sampler_overrides):
@@ -131,7 +136,7 @@ def test_comfy_unload_hook_frees_our_models(pack, tiny_models, monkeypatch):
     comfy.model_management = mm
     monkeypatch.setitem(sys.modules, "comfy", comfy)
     monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
-    nodes_module = pack.nodes.cogvideox_nodes
+    nodes_module = pack.nodes.common
     assert nodes_module.install_comfy_unload_hook() and nodes_module.install_comfy_unload_hook()
     (model,) = pack.NODE_CLASS_MAPPINGS["TPUCogVideoXLoader"]().load("", "float32", model_path=str(tiny_models["2b"]))
     model.encode("a cat")
@@ -144,16 +149,29 @@ def fake_comfy_folders(tmp_path, monkeypatch):
     """A stand-in for ComfyUI's folder_paths with its real API: models/diffusers plus an extra_model_paths entry."""
     import types
 
+    import os
+
     models = tmp_path / "ComfyUI" / "models"
     extra = tmp_path / "shared_models" / "diffusers"
-    for p in (models / "diffusers", models / "CogVideo", extra):
+    kinds = ("diffusion_models", "text_encoders", "vae")
+    for p in (models / "diffusers", models / "CogVideo", extra, *(models / k for k in kinds)):
         p.mkdir(parents=True)
     registry = {"diffusers": ([str(models / "diffusers"), str(extra)], set())}
+    registry.update({k: ([str(models / k)], {".safetensors"}) for k in kinds})
     fp = types.ModuleType("folder_paths")
     fp.models_dir = str(models)
     fp.folder_names_and_paths = registry
     fp.add_model_folder_path = lambda name, path: registry.setdefault(name, ([], set()))[0].append(path)
     fp.get_folder_paths = lambda name: list(registry[name][0])
+    fp.get_filename_list = lambda name: sorted(f for d in registry[name][0] for f in os.listdir(d))
+
+    def get_full_path(name, filename):
+        for d in registry[name][0]:
+            if os.path.isfile(os.path.join(d, filename)):
+                return os.path.join(d, filename)
+        return None
+
+    fp.get_full_path = get_full_path
     monkeypatch.setitem(sys.modules, "folder_paths", fp)
     return models, extra
 
@@ -189,7 +207,7 @@ def test_device_buffers_stable_over_prompts_and_freed_on_unload(pack, tiny_model
 
     import jax
 
-    nodes_module = pack.nodes.cogvideox_nodes
+    nodes_module = pack.nodes.common
 
     def live_bytes():
         gc.collect()
@@ -216,3 +234,83 @@ def test_nodes_run_under_comfy_inference_mode(pack, tiny_models):
     with torch.inference_mode():
         _, _, image = _run_chain(pack, tiny_models["2b"], steps=2, seed=1)
     assert image.shape == (9, 64, 96, 3)
+
+
+# --- Wan -----------------------------------------------------------------------------------------------------------
+def _wan_chain(pack, loaded, steps=3, seed=4, **sampler):
+    m = pack.NODE_CLASS_MAPPINGS
+    (embeds,) = m["TPUWanTextEncode"]().encode(loaded, PROMPT, NEGATIVE)
+    kwargs = dict(width=64, height=64, frames=9, steps=steps, guidance=5.0, seed=seed, scheduler="model default",
+                  shift=0.0)
+    kwargs.update(sampler)
+    (latent,) = m["TPUWanSampler"]().sample(loaded, embeds, **kwargs)
+    (image,) = m["TPUWanDecode"]().decode(loaded, latent)
+    return latent, image
+
+
+def test_wan_node_chain_matches_diffusers(pack, tiny_wan):
+    from oracle import wan_frames
+
+    (model,) = pack.NODE_CLASS_MAPPINGS["TPUWanLoader"]().load("", "float32", model_path=str(tiny_wan["2.1"]))
+    latent, image = _wan_chain(pack, model)
+    assert latent["samples"].shape == (1, 16, 3, 8, 8)  # ComfyUI LATENT: [B, C, T, H/8, W/8]
+    assert image.shape == (9, 64, 64, 3)
+    ref = wan_frames(tiny_wan["2.1"], PROMPT, NEGATIVE, 64, 64, 9, 3, 5.0, 4)
+    assert np.abs(image.numpy() - ref).max() < 1e-4
+
+
+def test_wan_files_loader_lists_comfy_folders_and_matches_diffusers(pack, tiny_wan, fake_comfy_folders):
+    """Two-expert Wan 2.2 from ComfyUI's own folders (scaled-fp8 experts), with a second guidance."""
+    from oracle import wan_frames
+
+    from tpu_runtime.tiny import export_comfy_files
+
+    models, _ = fake_comfy_folders
+    files = export_comfy_files(tiny_wan["2.2-A14B"], models / "staging", "fp8_scaled")
+    for key, kind in (("transformer", "diffusion_models"), ("transformer_2", "diffusion_models"),
+                      ("text_encoder", "text_encoders"), ("vae", "vae")):
+        files[key].rename(models / kind / files[key].name)
+    loader = pack.NODE_CLASS_MAPPINGS["TPUWanModelFilesLoader"]
+    inputs = loader.INPUT_TYPES()
+    high, low = "wan_transformer_fp8_scaled.safetensors", "wan_transformer_2_fp8_scaled.safetensors"
+    assert inputs["required"]["diffusion_model"][0] == sorted([high, low])
+    assert inputs["optional"]["diffusion_model_2"][0] == ["none", *sorted([high, low])]
+    (model,) = loader().load(high, "umt5_fp16.safetensors", "wan_vae_bf16.safetensors", "float32",
+                             diffusion_model_2=low)
+    assert model.two_experts
+    _, image = _wan_chain(pack, model, steps=5, guidance=4.0, guidance_2=2.0)
+    ref = wan_frames(tiny_wan["2.2-A14B"], PROMPT, NEGATIVE, 64, 64, 9, 5, 4.0, 4, guidance_2=2.0)
+    assert np.abs(image.numpy() - ref).max() < 1e-4
+
+
+def test_wan_nodes_refuse_what_the_model_does_not_have(pack, tiny_wan):
+    from tpu_runtime.errors import InputError
+
+    (model,) = pack.NODE_CLASS_MAPPINGS["TPUWanLoader"]().load("", "float32", model_path=str(tiny_wan["2.1"]))
+    with pytest.raises(InputError, match="guidance_2=3.0 applies only to two-expert"):
+        _wan_chain(pack, model, guidance_2=3.0)
+    with pytest.raises(InputError, match="frames=10 must be 4"):
+        _wan_chain(pack, model, frames=10)
+
+
+def test_wan_interrupt_stops_between_steps(pack, tiny_wan):
+    from tpu_runtime.family import SampleSettings
+
+    (model,) = pack.NODE_CLASS_MAPPINGS["TPUWanLoader"]().load("", "float32", model_path=str(tiny_wan["2.1"]))
+    (embeds,) = pack.NODE_CLASS_MAPPINGS["TPUWanTextEncode"]().encode(model, PROMPT, NEGATIVE)
+    seen = []
+    with pytest.raises(Interrupted, match="before step 3 of 5"):
+        model.sample(embeds, SampleSettings(64, 64, 9, steps=5, guidance=5.0, seed=4),
+                     on_step=lambda i, n: seen.append(i), should_stop=lambda: len(seen) >= 2)
+    assert seen == [1, 2]
+
+
+def test_wan_loader_lists_wan_folders_only(pack, tiny_wan, tiny_models, fake_comfy_folders):
+    import shutil
+
+    models, _ = fake_comfy_folders
+    shutil.copytree(tiny_wan["2.1"], models / "diffusers" / "Wan2.1-T2V-1.3B-Diffusers")
+    shutil.copytree(tiny_models["2b"], models / "diffusers" / "CogVideoX-2b")
+    assert pack.NODE_CLASS_MAPPINGS["TPUWanLoader"].INPUT_TYPES()["required"]["model"][0] == \
+        ["Wan2.1-T2V-1.3B-Diffusers"]
+    assert pack.NODE_CLASS_MAPPINGS["TPUCogVideoXLoader"].INPUT_TYPES()["required"]["model"][0] == ["CogVideoX-2b"]

@@ -142,6 +142,7 @@ class CogVideoXFamily(ModelFamily):
     """A loaded CogVideoX model. Components load and move to the devices on first use, once."""
 
     FAMILY = FAMILY
+    FAMILY_NAME = "CogVideoX"
 
     def __init__(self, path: str | Path, dtype: str = "auto", runtime: Runtime | None = None,
                  mesh: "str | dict | MeshSpec | None" = None, attention: "AttentionConfig | str | None" = None,

@@ -139,6 +139,7 @@ class ModelFamily:
     and implement ``validate``, ``encode``, ``sample``, ``decode`` with the helpers below."""
 
     FAMILY = "?"
+    FAMILY_NAME = "?"  # as users write it
     DEFAULT_GUIDANCE = 6.0
 
     def _setup(self, dtype: str, runtime: Runtime | None, mesh, attention, fsdp: bool, heads: int,

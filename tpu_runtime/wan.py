@@ -142,6 +142,7 @@ class WanFamily(ModelFamily):
     """A loaded Wan model, from a diffusers folder or ComfyUI single files. Components load on first use, once."""
 
     FAMILY = FAMILY
+    FAMILY_NAME = "Wan"
     DEFAULT_GUIDANCE = DEFAULT_GUIDANCE
 
     def __init__(self, path: str | Path | None = None, *, files: WanFiles | None = None, dtype: str = "auto",

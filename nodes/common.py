@@ -1,0 +1,152 @@
+"""What every family's nodes share: the loaded-model cache, ComfyUI's unload hook, and the node kinds.
+
+Each family has the same four kinds of node (Loader → Text Encode → Sampler → Decode) with the same inputs where
+the families agree; a family module only sets its types, its category and its family-specific inputs. Values
+between nodes are CPU torch tensors in small dicts (ComfyUI can hold and cache them); device buffers stay in the
+runtime.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+log = logging.getLogger(__name__)
+
+_models: dict[tuple, object] = {}  # (family, source, dtype, mesh, attention) -> loaded family
+_models_lock = threading.Lock()
+
+DTYPE_INPUT = (["auto", "bfloat16", "float32"], {"default": "auto", "tooltip": "auto: bfloat16 on TPU/GPU, float32 on CPU"})
+DEVICE_INPUTS = {
+    "mesh": ("STRING", {"default": "auto", "tooltip": "dp=N,sp=N,tp=N over all devices; auto: CFG batch on dp, "
+             "heads on tp (dp=2,tp=4 on a v6e-8)"}),
+    "attention": (["auto", "splash", "cudnn", "blockwise", "reference"], {"default": "auto",
+                  "tooltip": "auto: splash on TPU, cuDNN on GPU, blockwise on CPU"}),
+    "cache_dir": ("STRING", {"default": "", "tooltip": "persistent XLA compilation cache; empty: "
+                  "$TPU_VIDEO_CACHE_DIR or ~/.cache/tpu_video_nodes/xla_cache (one per process)"}),
+}
+
+
+def _release_all() -> None:
+    """Drop every loaded model's device buffers; the caller holds ``_models_lock``."""
+    for family in _models.values():
+        family.release()
+    _models.clear()
+
+
+def load_model(key: tuple, build, cache_dir: str = ""):
+    """The loaded model for ``key``, built by ``build(runtime)`` on first use; the same key shares one copy of
+    the weights on the devices. Loading a different model first releases the others: a video model fills an
+    accelerator's memory, so holding two at once would run out of it."""
+    from tpu_runtime.runtime import get_runtime
+
+    with _models_lock:
+        family = _models.get(key)
+        if family is None:
+            runtime = get_runtime(cache_dir=cache_dir.strip() or None)
+            _release_all()
+            family = build(runtime)
+            _models[key] = family
+        return family
+
+
+def unload_all() -> None:
+    """Release every loaded model's device buffers."""
+    with _models_lock:
+        _release_all()
+
+
+def install_comfy_unload_hook() -> bool:
+    """Make ComfyUI's "unload models" / "free memory" (``comfy.model_management.unload_all_models``) release our
+    device buffers too. Cheap and device-free: safe at pack import. Returns whether ComfyUI was there."""
+    try:
+        import comfy.model_management as mm
+    except ImportError:
+        return False
+    original = mm.unload_all_models
+    if getattr(original, "tpu_video_hooked", False):
+        return True
+
+    def unload_all_models(*args, **kwargs):
+        unload_all()
+        return original(*args, **kwargs)
+
+    unload_all_models.tpu_video_hooked = True
+    mm.unload_all_models = unload_all_models
+    return True
+
+
+# --- node kinds ------------------------------------------------------------------------------------------------
+class TextEncodeNode:
+    """Text-encoder embeddings for a prompt and a negative prompt."""
+
+    MODEL_TYPE = EMBEDS_TYPE = ""
+    FUNCTION = "encode"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": (cls.MODEL_TYPE,), "prompt": ("STRING", {"multiline": True, "default": ""}),
+                             "negative_prompt": ("STRING", {"multiline": True, "default": ""})}}
+
+    def encode(self, model, prompt: str, negative_prompt: str):
+        return (model.encode(prompt, negative_prompt),)
+
+
+def sampler_inputs(model_type: str, embeds_type: str, width: int, height: int, frames: int, frames_tip: str,
+                   guidance: float, schedulers: list[str]) -> dict:
+    """The inputs every sampler has, with the family's native defaults."""
+    return {
+        "model": (model_type,),
+        "embeds": (embeds_type,),
+        "width": ("INT", {"default": width, "min": 16, "max": 4096, "step": 16}),
+        "height": ("INT", {"default": height, "min": 16, "max": 4096, "step": 16}),
+        "frames": ("INT", {"default": frames, "min": 1, "max": 1024, "step": 1, "tooltip": frames_tip}),
+        "steps": ("INT", {"default": 50, "min": 1, "max": 1000}),
+        "guidance": ("FLOAT", {"default": guidance, "min": 0.0, "max": 30.0, "step": 0.1,
+                               "tooltip": "CFG scale; 1 or less turns CFG off (half the work per step)"}),
+        "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True}),
+        "scheduler": (["model default", *schedulers], {"default": "model default"}),
+    }
+
+
+def run_sampler(model, embeds, settings):
+    """Sample with ComfyUI's progress bar (one tick per step) and Cancel (checked before every step)."""
+    from .comfy_bridge import interrupt_requested, progress_bar, raise_if_interrupted
+
+    bar = progress_bar(settings.steps)
+
+    def on_step(i, total):
+        if bar is not None:
+            bar.update_absolute(i, total)
+
+    try:
+        latents = model.sample(embeds, settings, on_step=on_step, should_stop=interrupt_requested)
+    except Exception:
+        raise_if_interrupted()  # a cancelled prompt is reported as cancelled, not as an error
+        raise
+    return ({"samples": latents.latents, "tpu_video": latents},)
+
+
+def decode_latent(model, samples, **options):
+    """Frames from our sampler's LATENT, or from a plain ComfyUI LATENT whose sizes follow from its shape."""
+    from tpu_runtime.errors import StageFileError
+    from tpu_runtime.family import VideoLatents
+
+    from .comfy_bridge import progress_bar
+
+    z = samples["samples"]
+    info = samples.get("tpu_video")
+    if isinstance(info, VideoLatents) and tuple(info.latents.shape) == tuple(z.shape):
+        latents = VideoLatents(z, info.height, info.width, info.num_frames, info.model_signature)
+    else:
+        if z.ndim != 5:
+            s = model.vae_scale_spatial
+            raise StageFileError(f"LATENT samples have shape {tuple(z.shape)}; {model.FAMILY_NAME} decodes video "
+                                 f"latents [B, C, T, H/{s}, W/{s}]: connect a video sampler's output")
+        s, t = model.vae_scale_spatial, model.vae_scale_temporal
+        latents = VideoLatents(z, z.shape[3] * s, z.shape[4] * s, (z.shape[2] - 1) * t + 1, model.signature)
+    bar = progress_bar(1)
+    frames = model.decode(latents, **options)
+    if bar is not None:
+        bar.update_absolute(1, 1)
+    return (frames,)
