@@ -8,12 +8,19 @@ import pytest
 import torch
 from conftest import ROOT, SIZES
 
+from tpu_runtime.tiny import export_comfy_files
 from tpu_runtime.video import read_mp4, write_mp4
 
 WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
 GENERATION = {"cogvideox_2b_t2v_tpu.json": "2b", "cogvideox_5b_t2v_tpu.json": "5b",
-              "cogvideox1.5_5b_t2v_tpu.json": "1.5"}
-NATIVE = {"2b": (720, 480, 49), "5b": (720, 480, 49), "1.5": (1360, 768, 81)}
+              "cogvideox1.5_5b_t2v_tpu.json": "1.5", "wan2.1_t2v_1.3B_tpu.json": "wan-2.1-1.3B",
+              "wan2.1_t2v_14B_tpu.json": "wan-2.1-14B", "wan2.2_t2v_a14b_tpu.json": "wan-2.2-A14B",
+              "wan2.2_ti2v_5b_tpu.json": "wan-2.2-TI2V-5B"}
+NATIVE = {"2b": (720, 480, 49), "5b": (720, 480, 49), "1.5": (1360, 768, 81), "wan-2.1-1.3B": (832, 480, 81),
+          "wan-2.1-14B": (1280, 720, 81), "wan-2.2-A14B": (1280, 720, 81), "wan-2.2-TI2V-5B": (1280, 704, 121)}
+TINY_WAN = {"wan-2.1-1.3B": "2.1", "wan-2.1-14B": "2.1", "wan-2.2-A14B": "2.2-A14B", "wan-2.2-TI2V-5B": "2.2-TI2V-5B"}
+SAMPLERS = ("TPUCogVideoXSampler", "TPUWanSampler")
+DECODERS = ("TPUCogVideoXDecode", "TPUWanDecode")
 
 # ComfyUI core nodes the workflows use, as ComfyUI (comfy_extras/nodes_video.py, nodes.py) defines them.
 CORE_NODES = {
@@ -25,7 +32,9 @@ CORE_NODES = {
     "Note": {"required": {"text": ("STRING", {})}, "optional": {}, "outputs": ()},
 }
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
-DYNAMIC_COMBOS = {("TPUCogVideoXLoader", "model")}  # lists the user's downloads: any folder name is valid
+# Lists of the user's downloads: any name is valid.
+DYNAMIC_COMBOS = {("TPUCogVideoXLoader", "model"), ("TPUWanLoader", "model"),
+                  *(("TPUWanModelFilesLoader", n) for n in ("diffusion_model", "diffusion_model_2", "text_encoder", "vae"))}
 
 
 @pytest.fixture(scope="module")
@@ -93,20 +102,20 @@ def test_workflow_fits_node_definitions(path, node_defs):
         in_spec = {**definition["required"], **definition.get("optional", {})}[target["name"]]
         assert out_type == link_type == in_spec[0] == target["type"], (link_id, out_type, link_type, in_spec)
     gen = GENERATION[path.name]
-    sampler = next(n for n in wf["nodes"] if n["type"] == "TPUCogVideoXSampler")
-    values = widget_values(sampler, node_defs["TPUCogVideoXSampler"])
+    sampler = next(n for n in wf["nodes"] if n["type"] in SAMPLERS)
+    values = widget_values(sampler, node_defs[sampler["type"]])
     assert (values["width"], values["height"], values["frames"]) == NATIVE[gen]
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
-def test_workflow_runs_headlessly_on_a_tiny_model(path, node_defs, tiny_models, tmp_path):
+def test_workflow_runs_headlessly_on_a_tiny_model(path, node_defs, tiny_models, tiny_wan, tmp_path):
     """Execute the graph: our nodes for real (sizes shrunk, the tiny model swapped in), ComfyUI's CreateVideo +
     SaveVideo stood in for by our mp4 writer with the workflow's fps."""
     from nodes import NODE_CLASS_MAPPINGS
 
     wf = json.loads(path.read_text())
     gen = GENERATION[path.name]
-    height, width, frames = SIZES[gen]
+    height, width, frames = SIZES[gen] if gen in SIZES else (64, 64, 9)
     incoming = {(dst, dst_slot): (src, src_slot) for _, src, src_slot, dst, dst_slot, _ in wf["links"]}
     results: dict[int, tuple] = {}
     for node in sorted(wf["nodes"], key=lambda n: n["order"]):
@@ -120,7 +129,13 @@ def test_workflow_runs_headlessly_on_a_tiny_model(path, node_defs, tiny_models, 
                 kwargs[inp["name"]] = results[src][src_slot]
         if kind == "TPUCogVideoXLoader":
             kwargs.update(model_path=str(tiny_models[gen]), dtype="float32")
-        if kind == "TPUCogVideoXSampler":
+        if kind == "TPUWanModelFilesLoader":  # the same kind of files, made from a tiny model, under these names
+            files = export_comfy_files(tiny_wan[TINY_WAN[gen]], tmp_path / "files", "fp16")
+            assert (kwargs["diffusion_model_2"] != "none") == ("transformer_2" in files)
+            kwargs.update(diffusion_model=str(files["transformer"]), text_encoder=str(files["text_encoder"]),
+                          vae=str(files["vae"]), dtype="float32",
+                          diffusion_model_2=str(files.get("transformer_2", "none")))
+        if kind in SAMPLERS:
             kwargs.update(width=width, height=height, frames=frames, steps=2)
         if kind == "CreateVideo":
             results[node["id"]] = ((kwargs["images"], kwargs["fps"]),)
@@ -133,5 +148,5 @@ def test_workflow_runs_headlessly_on_a_tiny_model(path, node_defs, tiny_models, 
         results[node["id"]] = getattr(cls(), cls.FUNCTION)(**kwargs)
     decoded, meta = read_mp4(tmp_path / "out.mp4")
     assert decoded.shape == (frames, height, width, 3)
-    image = next(results[n["id"]][0] for n in wf["nodes"] if n["type"] == "TPUCogVideoXDecode")
+    image = next(results[n["id"]][0] for n in wf["nodes"] if n["type"] in DECODERS)
     assert isinstance(image, torch.Tensor) and image.shape == (frames, height, width, 3)
