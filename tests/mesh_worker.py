@@ -1,4 +1,5 @@
 """Run in a subprocess with 8 simulated CPU devices: sample + decode on several meshes, report frames and HLO.
+Works for CogVideoX and Wan folders alike.
 
 usage: python mesh_worker.py MODEL_DIR OUT_NPZ HEIGHT WIDTH MESH [MESH ...]
 A MESH may end in ":width" (split the VAE decode along the frame width) and/or ":fsdp" (split the weights
@@ -11,16 +12,19 @@ import sys
 
 import numpy as np
 
-from tpu_runtime.cogvideox import CogVideoXFamily, SampleSettings
+from tpu_runtime.cogvideox import CogVideoXFamily
+from tpu_runtime.family import SampleSettings
 from tpu_runtime.runtime import compile_stats
+from tpu_runtime.wan import WanFamily, is_wan_folder
 
 model, out, height, width, *meshes = sys.argv[1:]
 height, width = int(height), int(width)
 frames, report = {}, {}
 for mesh in meshes:
     spec, *options = mesh.split(":")
-    family = CogVideoXFamily(model, dtype="float32", mesh=spec, fsdp="fsdp" in options,
-                             vae_sharding="width" if "width" in options else "replicated")
+    cls = WanFamily if is_wan_folder(model) else CogVideoXFamily
+    family = cls(model, dtype="float32", mesh=spec, fsdp="fsdp" in options,
+                 vae_sharding="width" if "width" in options else "replicated")
     emb = family.encode("a panda playing a guitar", "blurry, low quality")
     settings = SampleSettings(height, width, 9, steps=2, guidance=6.0, seed=4)
     latents = family.sample(emb, settings)

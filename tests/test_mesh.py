@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from conftest import subprocess_env
 
-from tpu_runtime.cogvideox import CogVideoXFamily, SampleSettings
+from tpu_runtime.cogvideox import CogVideoXFamily
+from tpu_runtime.family import SampleSettings
 from tpu_runtime.errors import InputError
 from tpu_runtime.runtime import compile_stats
 from tpu_runtime.sharding import MeshSpec, default_mesh, parse_mesh
@@ -114,9 +115,45 @@ print("COMPILES", compile_stats().xla_compiles - (family.timings.compiles.get("e
     assert "ERR mesh axis dp=2 does not divide the batch of 1 (no CFG: guidance <= 1): use dp=1" in proc.stdout
 
 
+@pytest.fixture(scope="module")
+def four_head_wan(tmp_path_factory):
+    from tpu_runtime.tiny import TinyWanSpec, build_tiny_wan
+
+    return build_tiny_wan(tmp_path_factory.mktemp("wan4") / "m", "2.1", spec=TinyWanSpec(heads=4, layers=1))
+
+
+def test_wan_meshes_match_single_device(four_head_wan, tmp_path):
+    """Wan's rule table (self- and cross-attention, feed-forward, q/k norms across heads) on the same meshes."""
+    from tpu_runtime.wan import WanFamily
+
+    family = WanFamily(four_head_wan, dtype="float32")
+    emb = family.encode("a panda playing a guitar", "blurry, low quality")
+    single = family.decode(family.sample(emb, SampleSettings(64, 128, 9, steps=2, guidance=6.0, seed=4))).numpy()
+    meshes = ["dp=2,sp=1,tp=4", "dp=1,sp=2,tp=4", "dp=2,sp=2,tp=2", FSDP, WIDTH_SPLIT_VAE]
+    frames, report = _worker(four_head_wan, tmp_path, 64, 128, meshes)
+    for mesh in meshes:
+        got = frames[mesh.replace(",", "_").replace("=", "").replace(":", "_")]
+        assert np.abs(got - single).max() < 1e-4, mesh
+        r = report[mesh]
+        assert r["recompiles_second_run"] == 0, (mesh, r)
+        weight_shapes = {tuple(shape) for shape in r["weight_shapes"]}
+        gathered_weights = [s for s in r["all_gather_shapes"] if tuple(s) in weight_shapes]
+        if mesh != FSDP:
+            assert not gathered_weights, (mesh, gathered_weights)
+            assert r["weights_split_on_dp"] == 0, mesh
+        else:
+            assert r["weights_split_on_dp"] > 0, "FSDP placed no weight on dp"
+        assert r["collectives"]["all-reduce"] >= 3, (mesh, r)  # attn1, attn2 and ffn outputs are row-parallel
+
+
 def test_default_mesh():
     assert default_mesh(8, 48) == MeshSpec(dp=2, sp=1, tp=4)  # the seed's best for 5b / 1.5 on a v6e-8
     assert default_mesh(8, 30) == MeshSpec(dp=2, sp=2, tp=2)  # 2b: 30 heads
     assert default_mesh(1, 30) == MeshSpec()
     assert default_mesh(4, 48, cfg=False) == MeshSpec(tp=4)
     assert parse_mesh("dp=2,sp=1,tp=4") == MeshSpec(2, 1, 4) and parse_mesh("auto") is None
+    # Wan: 12 heads (1.3B), 24 (TI2V-5B), 40 (14B) on a v6e-8
+    assert default_mesh(8, 12) == MeshSpec(dp=2, sp=1, tp=4)
+    assert default_mesh(8, 24) == MeshSpec(dp=2, sp=1, tp=4)
+    assert default_mesh(8, 40) == MeshSpec(dp=2, sp=1, tp=4)
+    assert default_mesh(16, 40) == MeshSpec(dp=2, sp=1, tp=8)

@@ -191,7 +191,7 @@ class ModelFamily:
         self._parts[name] = part
         seconds = time.perf_counter() - start
         self.timings.load += seconds
-        log.info("loaded %s %s in %.1f s", self.FAMILY, name, seconds)
+        log.info("loaded %s/%s in %.1f s", self.label, name, seconds)
         return part
 
     def release(self) -> None:
@@ -280,6 +280,11 @@ class ModelFamily:
     def default_fps(self) -> int:
         """Frames per second of the model's training videos (the mp4's default)."""
         raise NotImplementedError
+
+    @property
+    def label(self) -> str:
+        """The model's name in messages: its folder's name."""
+        return self.path.name
 
     def describe(self) -> dict:
         """Plain facts for generation_config.json."""

@@ -299,6 +299,10 @@ class WanFamily(ModelFamily):
     def default_fps(self) -> int:
         return FPS[self.generation]
 
+    @property
+    def label(self) -> str:
+        return self.path.name if self.path is not None else self.files.transformer.stem
+
     def describe(self) -> dict:
         source = str(self.path) if self.path is not None else {k: str(v) for k, v in vars(self.files).items() if v}
         return {**super().describe(), "source": source, "two_experts": self.two_experts}
