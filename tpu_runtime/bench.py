@@ -1,9 +1,13 @@
 """``python -m tpu_runtime bench``: time our pipeline against diffusers eager on the same weights, in one process.
 
 Reports, per stage, load / compile / run seconds and XLA compile counts, the XLA memory analysis of each
-compiled program, peak host memory, the GroupNorm lowering comparison for the VAE decode, and end-to-end wall
-times (cold: with compiles; warm: a second prompt and seed) as ratios to diffusers eager. Without ``--model`` it
-builds a tiny random-weight model, so the numbers measure overheads and compiles, not a real model's speed.
+compiled program, peak host memory, and end-to-end wall times (cold: with compiles; warm: a second prompt and
+seed) as ratios to diffusers eager. Per family: CogVideoX compares its two VAE GroupNorm lowerings; Wan compares
+its VAE decode with diffusers' eager VAE decode on the same latents. Without ``--model`` it builds a tiny
+random-weight model, so the numbers measure overheads and compiles, not a real model's speed.
+
+``bench --load-file-mb N`` measures loading a ComfyUI single-file Wan transformer of about N MB of random fp16
+weights instead: host seconds and peak host memory of our loader, each in a fresh process.
 """
 
 from __future__ import annotations
@@ -13,65 +17,85 @@ import logging
 import platform
 import resource
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+GENERATIONS = {"2b": "cogvideox", "5b": "cogvideox", "1.5": "cogvideox", "wan2.1": "wan", "wan2.2-a14b": "wan",
+               "wan2.2-ti2v-5b": "wan"}
+_WAN_KIND = {"wan2.1": "2.1", "wan2.2-a14b": "2.2-A14B", "wan2.2-ti2v-5b": "2.2-TI2V-5B"}
+
 
 def _peak_host_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _diffusers_eager(model: Path, req, repeats: int) -> dict:
+def _eager_pipeline(model: Path, family: str, dtype: str):
     import torch
-    from diffusers import CogVideoXPipeline
+    import diffusers
+
+    cls = diffusers.WanPipeline if family == "wan" else diffusers.CogVideoXPipeline
+    return cls.from_pretrained(model, torch_dtype=torch.float32 if dtype in ("auto", "float32") else torch.bfloat16)
+
+
+def _diffusers_eager(model: Path, family: str, req, repeats: int) -> tuple[dict, object]:
+    import torch
 
     start = time.perf_counter()
-    pipe = CogVideoXPipeline.from_pretrained(model, dtype=torch.float32 if req.dtype in ("auto", "float32") else torch.bfloat16)
+    pipe = _eager_pipeline(model, family, req.dtype)
     pipe.set_progress_bar_config(disable=True)
     load = time.perf_counter() - start
+    extra = {} if family == "wan" else {"max_sequence_length": pipe.transformer.config.max_text_seq_length}
     runs = []
     for i in range(repeats):
         start = time.perf_counter()
         pipe(req.prompt, negative_prompt=req.negative_prompt, height=req.height, width=req.width,
              num_frames=req.frames, num_inference_steps=req.steps, guidance_scale=req.guidance,
-             generator=torch.Generator("cpu").manual_seed(req.seed + i), output_type="np",
-             max_sequence_length=pipe.transformer.config.max_text_seq_length)
+             generator=torch.Generator("cpu").manual_seed(req.seed + i), output_type="np", **extra)
         runs.append(time.perf_counter() - start)
-    return {"load_s": load, "runs_s": runs}
+    return {"load_s": load, "runs_s": runs}, pipe
 
 
 def run_bench(model: str | None, generation: str, height: int, width: int, frames: int, steps: int,
               repeats: int = 2, dtype: str = "auto") -> dict:
-    from .generate import GenerateRequest, generate
-    from .cogvideox import GROUP_NORMS, CogVideoXFamily
+    from .generate import GenerateRequest, generate, open_model
     from .runtime import compile_stats, get_runtime
     from .stage_files import load_latents
-    from .tiny import build_tiny_cogvideox
+    from .tiny import build_tiny_cogvideox, build_tiny_wan
 
     work = Path(tempfile.mkdtemp(prefix="tpu_video_bench_"))
     tiny = model is None
-    model_path = build_tiny_cogvideox(work / "model", generation) if tiny else Path(model)
-    runtime = get_runtime()
+    family_name = GENERATIONS[generation]
+    if tiny:
+        model_path = (build_tiny_wan(work / "model", _WAN_KIND[generation]) if family_name == "wan"
+                      else build_tiny_cogvideox(work / "model", generation))
+    else:
+        model_path = Path(model)
+    # A fresh compilation cache: "cold" means compiled here, not read from an earlier run's cache.
+    runtime = get_runtime(cache_dir=work / "xla_cache")
     req = GenerateRequest(model=str(model_path), output_dir=str(work / "run0"), prompt="a panda playing a guitar",
                           negative_prompt="blurry", height=height, width=width, frames=frames, steps=steps,
                           dtype=dtype, seed=0)
-
+    family = open_model(req, runtime)
+    family_name = family.FAMILY
+    req.guidance = family.DEFAULT_GUIDANCE
     result = {
         "machine": {"platform": platform.platform(), "processor": platform.machine(), "backend": runtime.backend,
                     "devices": len(runtime.devices), "device_kind": runtime.devices[0].device_kind},
-        "model": "tiny random-weight CogVideoX-" + generation if tiny else str(model_path),
+        "model": f"tiny random-weight {family.FAMILY_NAME}-{family.generation}" if tiny else str(model_path),
+        "family": family_name,
         "request": {"height": height, "width": width, "frames": frames, "steps": steps, "dtype": dtype},
     }
 
     # diffusers eager first: its numbers do not depend on anything we compiled.
-    result["diffusers_eager"] = _diffusers_eager(model_path, req, repeats)
+    result["diffusers_eager"], pipe = _diffusers_eager(model_path, family_name, req, repeats)
 
     # Ours, cold (load + compile + run), then warm runs with new seeds and prompts.
     family_start = time.perf_counter()
-    family = CogVideoXFamily(model_path, dtype=dtype, runtime=runtime)
     before = compile_stats()
     cold = generate(req, family=family)
     cold_wall = time.perf_counter() - family_start
@@ -91,21 +115,11 @@ def run_bench(model: str | None, generation: str, height: int, width: int, frame
         "xla_compiles_total": stats.xla_compiles, "persistent_cache_hits": stats.persistent_cache_hits,
         "memory_analysis": {stage: p.memory for stage, p in t.programs.items()},
     }
-
-    # GroupNorm lowering comparison on the VAE decode.
     latents = load_latents(work / "run0")
-    gn = {}
-    for choice in GROUP_NORMS:
-        family.decode(latents, group_norm=choice)  # compiles this variant, or reuses it from the runs above
-        program = family.timings.programs["decode"]
-        compile_s, memory = program.compile_seconds, dict(program.memory)
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            family.decode(latents, group_norm=choice)
-            times.append(time.perf_counter() - start)
-        gn[choice] = {"compile_s": compile_s, "run_s_median": statistics.median(times), "memory_analysis": memory}
-    result["group_norm"] = gn
+    if family_name == "cogvideox":
+        result["group_norm"] = _group_norms(family, latents)
+    else:
+        result["vae_decode"] = _wan_decode_vs_eager(family, pipe, latents)
     result["peak_host_mib"] = _peak_host_mib()
 
     eager_warm = statistics.median(result["diffusers_eager"]["runs_s"][1:] or result["diffusers_eager"]["runs_s"])
@@ -117,6 +131,110 @@ def run_bench(model: str | None, generation: str, height: int, width: int, frame
     return result
 
 
+def _timed(fn, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _group_norms(family, latents) -> dict:
+    """CogVideoX: both VAE GroupNorm lowerings, compile and run."""
+    from .cogvideox import GROUP_NORMS
+
+    gn = {}
+    for choice in GROUP_NORMS:
+        family.decode(latents, group_norm=choice)  # compiles this variant, or reuses it from the runs above
+        program = family.timings.programs["decode"]
+        gn[choice] = {"compile_s": program.compile_seconds, "memory_analysis": dict(program.memory),
+                      "run_s_median": _timed(lambda: family.decode(latents, group_norm=choice))}
+    return gn
+
+
+def _wan_decode_vs_eager(family, pipe, latents) -> dict:
+    """Wan: our compiled VAE decode against diffusers' eager ``vae.decode`` on the same latents and weights."""
+    import torch
+
+    vae = pipe.vae
+    z = latents.latents.to(vae.dtype)
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(z.dtype)
+    std_inv = 1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(z.dtype)
+
+    def eager():
+        with torch.no_grad():
+            return vae.decode(z / std_inv + mean, return_dict=False)[0]
+
+    ours_s = _timed(lambda: family.decode(latents))
+    eager_s = _timed(eager)
+    program = family.timings.programs["decode"]
+    return {"ours_run_s_median": ours_s, "diffusers_eager_s_median": eager_s, "ratio_ours_over_eager": ours_s / eager_s,
+            "compile_s": program.compile_seconds, "memory_analysis": dict(program.memory)}
+
+
+# --- loading a single-file transformer ---------------------------------------------------------------------------
+_LOAD_CHILD = r"""
+import json, os, sys, threading, time
+import torch
+from tpu_runtime.wan_files import transformer_names
+from tpu_runtime.weights import TensorSource, load_into_meta_module
+from diffusers import WanTransformer3DModel
+
+def rss():  # (anonymous, file-backed) resident bytes
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith("Rss"))
+    return int(fields["RssAnon"].split()[0]) * 1024, int(fields["RssFile"].split()[0]) * 1024
+before, peak, done = rss(), [0, 0], threading.Event()
+def watch():
+    while not done.is_set():
+        now = rss()
+        peak[0], peak[1] = max(peak[0], now[0]), max(peak[1], now[1])
+        time.sleep(0.005)
+watcher = threading.Thread(target=watch); watcher.start()
+start = time.perf_counter()
+config, names = transformer_names(sys.argv[1])
+model = load_into_meta_module(lambda: WanTransformer3DModel(**config), TensorSource([sys.argv[1]]), names,
+                              getattr(torch, sys.argv[2]), "bench")
+seconds = time.perf_counter() - start
+done.set(); watcher.join()
+params = sum(p.numel() * p.element_size() for p in model.parameters())
+print(json.dumps({"seconds": seconds, "anon_increase_mib": (peak[0] - before[0]) / 2**20,
+                  "file_pages_increase_mib": (peak[1] - before[1]) / 2**20, "loaded_bytes": params}))
+"""
+
+
+def bench_single_file_load(size_mb: int, dtypes=("bfloat16", "float32")) -> dict:
+    """Write a random Wan transformer of about ``size_mb`` MB (fp16, original key names), then load it with our
+    loader in fresh processes, once per run dtype: host seconds and peak host memory."""
+    import torch
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import save_file
+
+    from .tiny import wan_transformer_to_original
+
+    work = Path(tempfile.mkdtemp(prefix="tpu_video_load_"))
+    dim, ffn = 1536, 8960  # Wan 2.1 1.3B's width; layers chosen for the size
+    per_layer = (8 * dim * dim + 2 * dim * ffn) * 2
+    layers = max(1, round(size_mb * 2**20 / per_layer))
+    with torch.device("meta"):
+        meta = WanTransformer3DModel(num_attention_heads=12, attention_head_dim=128, ffn_dim=ffn, num_layers=layers,
+                                     text_dim=4096, freq_dim=256)
+    tensors = {"model.diffusion_model." + wan_transformer_to_original(k): torch.randn(tuple(v.shape)).to(torch.float16) * 0.02
+               for k, v in meta.state_dict().items()}
+    path = work / "wan_transformer_fp16.safetensors"
+    save_file(tensors, str(path))
+    del tensors
+    out = {"file_mb": path.stat().st_size / 2**20, "layers": layers}
+    for dtype in dtypes:
+        proc = subprocess.run([sys.executable, "-c", _LOAD_CHILD, str(path), dtype], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(proc.stderr[-2000:])
+        out[dtype] = json.loads(proc.stdout.strip().splitlines()[-1])
+    path.unlink()
+    return out
+
+
+# --- output ------------------------------------------------------------------------------------------------------
 def print_table(r: dict) -> None:
     m = r["machine"]
     print(f"\nbench: {r['model']} at {r['request']}")
@@ -135,29 +253,54 @@ def print_table(r: dict) -> None:
     print(f"  warm (median)       {statistics.median(o['warm_runs_s']):>8.2f} s   "
           f"{statistics.median(d['runs_s'][1:] or d['runs_s']):>8.2f} s        {r['ratios']['warm_ours_over_diffusers']:.2f}")
     print(f"  XLA programs compiled in total: {o['xla_compiles_total']} (persistent-cache hits {o['persistent_cache_hits']})")
-    print("\n  VAE GroupNorm     compile s   run s (median)   temp MiB")
-    for name, g in r["group_norm"].items():
-        print(f"  {name:<16} {g['compile_s']:>10.2f} {g['run_s_median']:>15.3f} "
-              f"{g['memory_analysis'].get('temp_size_in_bytes', 0) / 2**20:>10.2f}")
+    if "group_norm" in r:
+        print("\n  VAE GroupNorm     compile s   run s (median)   temp MiB")
+        for name, g in r["group_norm"].items():
+            print(f"  {name:<16} {g['compile_s']:>10.2f} {g['run_s_median']:>15.3f} "
+                  f"{g['memory_analysis'].get('temp_size_in_bytes', 0) / 2**20:>10.2f}")
+    if "vae_decode" in r:
+        v = r["vae_decode"]
+        print(f"\n  Wan VAE decode (same latents, median of 3): ours {v['ours_run_s_median']:.3f} s, diffusers eager "
+              f"{v['diffusers_eager_s_median']:.3f} s, ratio {v['ratio_ours_over_eager']:.2f}; compile "
+              f"{v['compile_s']:.2f} s")
     print(f"\n  peak host memory {r['peak_host_mib']:.0f} MiB")
 
 
+def print_load_table(r: dict) -> None:
+    print(f"\nsingle-file Wan transformer: {r['file_mb']:.0f} MiB fp16 ({r['layers']} layers of Wan 2.1 1.3B width), "
+          "loaded by our loader in a fresh process")
+    print(f"  {'run dtype':<10} {'host s':>7} {'weights MiB':>12} {'peak allocated MiB':>19} {'peak mapped file MiB':>21}")
+    for dtype in ("bfloat16", "float32"):
+        if dtype in r:
+            x = r[dtype]
+            print(f"  {dtype:<10} {x['seconds']:>7.2f} {x['loaded_bytes'] / 2**20:>12.0f} "
+                  f"{x['anon_increase_mib']:>19.0f} {x['file_pages_increase_mib']:>21.0f}")
+    print("  (allocated: anonymous memory the load added; mapped file: pages of the memory-mapped file, clean page "
+          "cache the kernel can drop)")
+
+
 def add_args(p) -> None:
-    p.add_argument("--model", help="diffusers CogVideoX folder (default: a tiny random-weight model built now)")
-    p.add_argument("--generation", choices=["2b", "5b", "1.5"], default="2b", help="for the tiny model")
+    p.add_argument("--model", help="a CogVideoX or Wan diffusers folder (default: a tiny random-weight model built now)")
+    p.add_argument("--generation", choices=list(GENERATIONS), default="2b", help="for the tiny model")
     p.add_argument("--height", type=int, default=64)
-    p.add_argument("--width", type=int, default=96)
-    p.add_argument("--frames", type=int, help="default 9 (17 for 1.5)")
+    p.add_argument("--width", type=int, help="default 96 (64 for CogVideoX 1.5 and Wan)")
+    p.add_argument("--frames", type=int, help="default 9 (17 for CogVideoX 1.5)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2, help="warm runs after the cold one")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    p.add_argument("--load-file-mb", type=int, help="instead: time loading a single-file Wan transformer of this size")
     p.add_argument("--json", help="also write the results here")
 
 
 def main(args) -> int:
-    frames = args.frames or (17 if args.generation == "1.5" else 9)
-    r = run_bench(args.model, args.generation, args.height, args.width, frames, args.steps, args.repeats, args.dtype)
-    print_table(r)
+    if args.load_file_mb:
+        r = bench_single_file_load(args.load_file_mb)
+        print_load_table(r)
+    else:
+        frames = args.frames or (17 if args.generation == "1.5" else 9)
+        width = args.width or (96 if GENERATIONS[args.generation] == "cogvideox" and args.generation != "1.5" else 64)
+        r = run_bench(args.model, args.generation, args.height, width, frames, args.steps, args.repeats, args.dtype)
+        print_table(r)
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=2))
         print(f"\nwrote {args.json}")
