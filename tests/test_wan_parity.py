@@ -93,3 +93,12 @@ def test_seed_and_prompt_change_the_video(tiny_wan, tmp_path):
     b = _ours(tmp_path / "b", folder, steps=2, seed=2)
     c = _ours(tmp_path / "c", folder, steps=2, seed=1, prompt="a red car drives along a coastal road")
     assert np.abs(a - b).max() > 1e-3 and np.abs(a - c).max() > 1e-3
+
+
+@pytest.mark.parametrize("generation", ["2.1", "2.2-TI2V-5B"])
+def test_bfloat16_runs_close_to_float32(tiny_wan, tmp_path, generation):
+    """The TPU dtype traces through every stage (both VAEs) and stays near the float32 frames."""
+    folder = tiny_wan[generation]
+    bf16 = _ours(tmp_path / "bf16", folder, dtype="bfloat16")
+    fp32 = _ours(tmp_path / "fp32", folder)
+    assert np.isfinite(bf16).all() and np.abs(bf16 - fp32).max() < 3e-2

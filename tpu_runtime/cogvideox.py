@@ -29,6 +29,7 @@ from .attention import AttentionConfig, attention_scope
 from .errors import InputError, ModelFolderError, StageFileError
 from .family import (
     ModelFamily,
+    forwards_replaced,
     SampleSettings,
     TextEmbeddings,
     VideoLatents,
@@ -482,35 +483,19 @@ class CogVideoXFunctionalAttnProcessor:
 
 
 # --- VAE adjustments for XLA -----------------------------------------------------------------------------------
-class _vae_for_xla:
+def _vae_for_xla(vae: torch.nn.Module, group_norm: str):
     """While tracing the VAE: plain Conv3d instead of CogVideoXSafeConv3d's cuDNN splitting, and optionally a
     vectorised ``jnp.var`` GroupNorm instead of torchax's stock lowering."""
+    from diffusers.models.autoencoders.autoencoder_kl_cogvideox import CogVideoXSafeConv3d
 
-    def __init__(self, vae: torch.nn.Module, group_norm: str):
-        self.vae, self.group_norm = vae, group_norm
-        self._saved: list[tuple[torch.nn.Module, object]] = []
+    def replacement(module):
+        if isinstance(module, CogVideoXSafeConv3d):
+            return torch.nn.Conv3d.forward.__get__(module)
+        if isinstance(module, torch.nn.GroupNorm) and group_norm == "jnp_var":
+            return _var_group_norm_forward(module)
+        return None
 
-    def __enter__(self):
-        from diffusers.models.autoencoders.autoencoder_kl_cogvideox import CogVideoXSafeConv3d
-
-        for module in self.vae.modules():
-            if isinstance(module, CogVideoXSafeConv3d):
-                self._override(module, torch.nn.Conv3d.forward.__get__(module))
-            elif isinstance(module, torch.nn.GroupNorm) and self.group_norm == "jnp_var":
-                self._override(module, _var_group_norm_forward(module))
-        return self
-
-    def _override(self, module, forward):
-        self._saved.append((module, module.__dict__.get("forward")))
-        module.forward = forward
-
-    def __exit__(self, *exc):
-        for module, previous in reversed(self._saved):
-            if previous is None:
-                del module.forward
-            else:
-                module.forward = previous
-        self._saved.clear()
+    return forwards_replaced(vae, replacement)
 
 
 def group_norm_jnp_var(x, weight, bias, groups: int, eps: float):

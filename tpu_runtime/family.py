@@ -15,6 +15,7 @@ Everything here is the same for all of them:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -125,6 +126,26 @@ def frame_problem(num_frames, rule: int, native: int, model: str) -> str | None:
         k = 0
     return (f"frames={num_frames} must be {rule}*N+1 for {model} "
             f"(e.g. {k * rule + 1} or {native}, the native length)")
+
+
+@contextlib.contextmanager
+def forwards_replaced(root: torch.nn.Module, replacement: Callable[[torch.nn.Module], Callable | None]):
+    """While the block runs, every submodule of ``root`` for which ``replacement(module)`` gives a function runs
+    that function as its forward (for tracing through XLA); the originals come back afterwards."""
+    saved = []
+    try:
+        for module in root.modules():
+            forward = replacement(module)
+            if forward is not None:
+                saved.append((module, module.__dict__.get("forward")))
+                module.forward = forward
+        yield
+    finally:
+        for module, previous in reversed(saved):
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
 
 
 def jax_dtype(dtype: torch.dtype):

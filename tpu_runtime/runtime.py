@@ -163,15 +163,18 @@ class Runtime:
         return NamedSharding(mesh, PartitionSpec(*spec))
 
     def put(self, value: Any, sharding=None):
-        """Move CPU torch tensors / numpy arrays (any pytree of them) onto the devices; replicated unless told."""
+        """Move CPU torch tensors / numpy arrays (any pytree of them) onto the devices; replicated unless told.
+
+        Host arrays go straight to ``jax.device_put``: lifting them with ``jnp.asarray`` first (as torchax's
+        ``t2j`` does) compiles a small program for every distinct shape, dozens per model.
+        """
         import jax
-        from torchax.ops.mappings import t2j
 
         sharding = sharding or self.sharding(self.mesh)
 
         def to_device(x):
             if isinstance(x, torch.Tensor):
-                x = t2j(x.detach().cpu().contiguous(), use_dlpack=False)
+                x = host_array(x)
             return jax.device_put(x, sharding)
 
         return jax.tree_util.tree_map(
@@ -269,6 +272,21 @@ class Runtime:
     def clear_programs(self) -> None:
         with self._lock:
             self._programs.clear()
+
+
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """A CPU torch tensor as the numpy array JAX stores (bfloat16 kept; 64-bit narrowed as JAX does without x64)."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    array = t.numpy()
+    if array.dtype == np.float64:
+        return array.astype(np.float32)
+    if array.dtype == np.int64:
+        return array.astype(np.int32)
+    return array
 
 
 class _MethodCall(torch.nn.Module):

@@ -35,6 +35,7 @@ from .attention import AttentionConfig, attention_scope
 from .errors import InputError, ModelFolderError
 from .family import (
     ModelFamily,
+    forwards_replaced,
     SampleSettings,
     TextEmbeddings,
     VideoLatents,
@@ -499,12 +500,26 @@ class WanFamily(ModelFamily):
         z_dev = self.put(z.float(), self._vae_input_spec(z.shape))
         mean_dev, std_dev = self.put(mean), self.put(std_inv)
         key = (tuple(z.shape), self.vae_sharding)
-        program = self._compile("decode", frames_fn, key, state, z_dev, mean_dev, std_dev,
-                                describe=f"Wan VAE decode for {latents.num_frames}x{latents.height}x{latents.width}")
+        with _wan_vae_for_xla(vae):
+            program = self._compile("decode", frames_fn, key, state, z_dev, mean_dev, std_dev,
+                                    describe=f"Wan VAE decode for {latents.num_frames}x{latents.height}x"
+                                    f"{latents.width}")
         start = time.perf_counter()
         frames = self.runtime.to_cpu(program(state, z_dev, mean_dev, std_dev))
         self._record_run("decode", start)
         return frames
+
+
+def _wan_vae_for_xla(vae: torch.nn.Module):
+    """While tracing the Wan VAE: its nearest-neighbour upsampling runs in the input's dtype. diffusers upsamples
+    in float32 and casts back, which is the same numbers (nearest only copies values); traced through torchax in
+    bfloat16, the cast-back tensor reached the next convolution as float32 and stopped the trace."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanUpsample
+
+    def replacement(module):
+        return torch.nn.Upsample.forward.__get__(module) if isinstance(module, WanUpsample) else None
+
+    return forwards_replaced(vae, replacement)
 
 
 def _read_config(folder: Path) -> dict:
