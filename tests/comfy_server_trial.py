@@ -1,12 +1,15 @@
 """Try the pack in a real ComfyUI server, as a new user would (run by hand; CI has no ComfyUI).
 
     python tests/comfy_server_trial.py --comfy COMFYUI_CHECKOUT --python COMFY_VENV_PYTHON [--port 8188]
+        [--family cogvideox|wan|both]
 
-It links this folder into COMFYUI_CHECKOUT/custom_nodes, builds a tiny random-weight CogVideoX-2b into
-models/diffusers, starts `main.py --cpu` on 127.0.0.1, checks that our nodes appear in /object_info, turns the
-example 2b workflow (sizes shrunk) into an API prompt, runs it through POST /prompt until Save Video writes an mp4,
-then runs a long prompt, presses Cancel (POST /interrupt) after its first steps and checks that the next prompt
-still succeeds. Prints a line per check and exits non-zero on the first failure.
+It links this folder into COMFYUI_CHECKOUT/custom_nodes, builds tiny random-weight models where ComfyUI keeps
+them (CogVideoX-2b as a diffusers folder in models/diffusers; Wan 2.1 as ComfyUI's single files in
+models/diffusion_models, models/text_encoders and models/vae), starts `main.py --cpu` on 127.0.0.1, checks that
+our nodes appear in /object_info, and per family turns the example workflow (sizes shrunk) into an API prompt,
+runs it through POST /prompt until Save Video writes an mp4, checks that a bad input is reported on the node,
+runs a long prompt, presses Cancel (POST /interrupt) after its first steps, checks that the next prompt still
+succeeds and that /free releases our weights. Prints a line per check and exits non-zero on the first failure.
 """
 
 from __future__ import annotations
@@ -69,22 +72,115 @@ def wait_for(port: int, prompt_id: str, timeout: float) -> dict:
     raise TimeoutError(f"prompt {prompt_id} did not finish in {timeout} s")
 
 
+FAMILIES = {
+    "cogvideox": {
+        "workflow": "cogvideox_2b_t2v_tpu.json", "prefix": "TPUCogVideoX", "loader": "TPUCogVideoXLoader",
+        "sampler": "TPUCogVideoXSampler", "model_label": "CogVideoX-2b-tiny",
+        "nodes": ["TPUCogVideoXDecode", "TPUCogVideoXLoader", "TPUCogVideoXSampler", "TPUCogVideoXTextEncode"],
+        "small": {"TPUCogVideoXLoader": {"model": "CogVideoX-2b-tiny", "dtype": "float32"},
+                  "TPUCogVideoXSampler": {"width": 96, "height": 64, "frames": 9, "steps": 3}},
+        "bad_frames": (10, "frames=10 must be 8*N+1 for CogVideoX-2b"),
+        "long": {"width": 720, "height": 480, "frames": 49, "steps": 200},
+    },
+    "wan": {
+        "workflow": "wan2.1_t2v_1.3B_tpu.json", "prefix": "TPUWan", "loader": "TPUWanModelFilesLoader",
+        "sampler": "TPUWanSampler", "model_label": "wan_transformer_fp16",
+        "nodes": ["TPUWanDecode", "TPUWanLoader", "TPUWanModelFilesLoader", "TPUWanSampler", "TPUWanTextEncode"],
+        "small": {"TPUWanModelFilesLoader": {"diffusion_model": "wan_transformer_fp16.safetensors",
+                                             "text_encoder": "umt5_fp16.safetensors",
+                                             "vae": "wan_vae_bf16.safetensors", "dtype": "float32"},
+                  "TPUWanSampler": {"width": 64, "height": 64, "frames": 9, "steps": 3}},
+        "bad_frames": (10, "frames=10 must be 4*N+1 for Wan 2.1"),
+        "long": {"width": 832, "height": 480, "frames": 81, "steps": 200},
+    },
+}
+
+
+def build_models(comfy: Path, python: str) -> None:
+    """Tiny random-weight models where ComfyUI keeps real ones."""
+    models = comfy / "models"
+    code = (
+        "import sys, shutil; from pathlib import Path; sys.path.insert(0, sys.argv[1]);"
+        "from tpu_runtime.tiny import build_tiny_cogvideox, build_tiny_wan, export_comfy_files;"
+        "m = Path(sys.argv[2]); cog = m / 'diffusers' / 'CogVideoX-2b-tiny';"
+        "cog.exists() or build_tiny_cogvideox(cog, '2b');"
+        "wan = m / 'wan_tiny_build';"
+        "files = export_comfy_files(build_tiny_wan(wan, '2.1'), m / 'wan_tiny_files', 'fp16');"
+        "[shutil.move(str(files[k]), str(m / d / files[k].name)) for k, d in (('transformer', 'diffusion_models'),"
+        " ('text_encoder', 'text_encoders'), ('vae', 'vae'))]"
+    )
+    subprocess.run([python, "-c", code, str(ROOT), str(models)], check=True)
+
+
+def trial(family: str, port: int, comfy: Path, info: dict) -> None:
+    f = FAMILIES[family]
+    ours = sorted(k for k in info if k.startswith(f["prefix"]))
+    assert ours == f["nodes"], ours
+    print(f"[{family}] nodes in /object_info:", ours)
+    workflow = json.loads((ROOT / "workflows" / f["workflow"]).read_text())
+    small = {**f["small"], "SaveVideo": {"filename_prefix": f"video/tpu_trial_{family}"}}
+    sampler = f["sampler"]
+    prompt = ui_to_api(workflow, info, small)
+    out_dir = comfy / "output" / "video"
+    before = set(out_dir.glob(f"tpu_trial_{family}*.mp4")) if out_dir.exists() else set()
+    result = wait_for(port, http(port, "/prompt", {"prompt": prompt})["prompt_id"], 600)
+    assert result["status"]["status_str"] == "success", result["status"]
+    new = set(out_dir.glob(f"tpu_trial_{family}*.mp4")) - before
+    assert new, "no mp4 written"
+    print(f"[{family}] workflow ran to", sorted(new)[0].name, f"({sorted(new)[0].stat().st_size} bytes)")
+
+    frames, message = f["bad_frames"]
+    bad = ui_to_api(workflow, info, {**small, sampler: {**small[sampler], "frames": frames}})
+    result = wait_for(port, http(port, "/prompt", {"prompt": bad})["prompt_id"], 120)
+    error = next(m[1] for m in result["status"]["messages"] if m[0] == "execution_error")
+    assert error["node_type"] == sampler, error
+    assert error["exception_message"].startswith(message), error
+    print(f"[{family}] bad input shown on the node: {error['exception_type'].split('.')[-1]}: "
+          f"{error['exception_message']}")
+
+    # The native size on the tiny model: seconds a step on 2 CPU cores, 200 steps.
+    long_prompt = ui_to_api(workflow, info, {**small, sampler: {**f["long"], "seed": 7}})
+    pid = http(port, "/prompt", {"prompt": long_prompt})["prompt_id"]
+    time.sleep(25)
+    started = time.time()
+    http(port, "/interrupt", {})
+    result = wait_for(port, pid, 300)
+    messages = [m[0] for m in result["status"].get("messages", [])]
+    assert "execution_interrupted" in messages, result["status"]
+    print(f"[{family}] Cancel stopped the 200-step prompt within {time.time() - started:.1f} s:",
+          result["status"]["status_str"], messages)
+    steps_done = [line for line in (comfy / "trial_server.log").read_text().splitlines() if "interrupted" in line]
+    print("  log:", steps_done[-1].strip() if steps_done else "(no interrupt line)")
+    again = ui_to_api(workflow, info, {**small, sampler: {**small[sampler], "seed": 3}})
+    result = wait_for(port, http(port, "/prompt", {"prompt": again})["prompt_id"], 600)
+    assert result["status"]["status_str"] == "success", result["status"]
+    print(f"[{family}] next prompt after Cancel succeeded")
+    marker = f"loaded {f['model_label']}/transformer"
+    loads_before = (comfy / "trial_server.log").read_text().count(marker)
+    http(port, "/free", {"unload_models": True, "free_memory": True})
+    time.sleep(3)
+    # "Unload models" must have dropped our device copy: the next prompt loads the transformer again.
+    again = ui_to_api(workflow, info, {**small, sampler: {**small[sampler], "seed": 5}})
+    result = wait_for(port, http(port, "/prompt", {"prompt": again})["prompt_id"], 600)
+    assert result["status"]["status_str"] == "success", result["status"]
+    loads_after = (comfy / "trial_server.log").read_text().count(marker)
+    assert loads_after == loads_before + 1, (loads_before, loads_after)
+    print(f"[{family}] /free released our weights: the next prompt reloaded them and succeeded")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--comfy", required=True, type=Path)
     ap.add_argument("--python", required=True)
     ap.add_argument("--port", type=int, default=8188)
+    ap.add_argument("--family", choices=["cogvideox", "wan", "both"], default="both")
     args = ap.parse_args()
     comfy, port = args.comfy.resolve(), args.port
 
     link = comfy / "custom_nodes" / "tpu-video-nodes"
     if not link.exists():
         link.symlink_to(ROOT)
-    model_dir = comfy / "models" / "diffusers" / "CogVideoX-2b-tiny"
-    if not model_dir.exists():
-        subprocess.run([args.python, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
-                        "from tpu_runtime.tiny import build_tiny_cogvideox; build_tiny_cogvideox(sys.argv[2], '2b')",
-                        str(ROOT), str(model_dir)], check=True)
+    build_models(comfy, args.python)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     log = open(comfy / "trial_server.log", "w")
     server = subprocess.Popen([args.python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port)],
@@ -104,59 +200,12 @@ def main() -> int:
         assert ours and not any("IMPORT FAILED" in line for line in ours), "pack failed to import:\n" + text
         print("pack imported:", ours[0].strip())
         info = http(port, "/object_info")
-        ours = sorted(k for k in info if k.startswith("TPUCogVideoX"))
-        assert ours == ["TPUCogVideoXDecode", "TPUCogVideoXLoader", "TPUCogVideoXSampler", "TPUCogVideoXTextEncode"]
         assert "CogVideoX-2b-tiny" in info["TPUCogVideoXLoader"]["input"]["required"]["model"][0]
-        print("nodes in /object_info:", ours, "| loader lists CogVideoX-2b-tiny")
-
-        workflow = json.loads((ROOT / "workflows" / "cogvideox_2b_t2v_tpu.json").read_text())
-        small = {"TPUCogVideoXLoader": {"model": "CogVideoX-2b-tiny", "dtype": "float32"},
-                 "TPUCogVideoXSampler": {"width": 96, "height": 64, "frames": 9, "steps": 3},
-                 "SaveVideo": {"filename_prefix": "video/tpu_trial"}}
-        prompt = ui_to_api(workflow, info, small)
-        out_dir = comfy / "output" / "video"
-        before = set(out_dir.glob("tpu_trial*.mp4")) if out_dir.exists() else set()
-        result = wait_for(port, http(port, "/prompt", {"prompt": prompt})["prompt_id"], 600)
-        assert result["status"]["status_str"] == "success", result["status"]
-        new = set(out_dir.glob("tpu_trial*.mp4")) - before
-        assert new, "no mp4 written"
-        print("workflow ran to", sorted(new)[0].name, f"({sorted(new)[0].stat().st_size} bytes)")
-
-        bad = ui_to_api(workflow, info, {**small, "TPUCogVideoXSampler": {**small["TPUCogVideoXSampler"], "frames": 10}})
-        result = wait_for(port, http(port, "/prompt", {"prompt": bad})["prompt_id"], 120)
-        error = next(m[1] for m in result["status"]["messages"] if m[0] == "execution_error")
-        assert error["node_type"] == "TPUCogVideoXSampler", error
-        assert error["exception_message"].startswith("frames=10 must be 8*N+1 for CogVideoX-2b"), error
-        print(f"bad input shown on the node: {error['exception_type'].split('.')[-1]}: {error['exception_message']}")
-
-        # The native 720x480x49 size on the tiny model: about a second a step on 2 CPU cores, 200 steps.
-        long_prompt = ui_to_api(workflow, info, {**small, "TPUCogVideoXSampler": {
-            "width": 720, "height": 480, "frames": 49, "steps": 200, "seed": 7}})
-        pid = http(port, "/prompt", {"prompt": long_prompt})["prompt_id"]
-        time.sleep(25)
-        started = time.time()
-        http(port, "/interrupt", {})
-        result = wait_for(port, pid, 300)
-        messages = [m[0] for m in result["status"].get("messages", [])]
-        assert "execution_interrupted" in messages, result["status"]
-        print(f"Cancel stopped the 200-step prompt within {time.time() - started:.1f} s:",
-              result["status"]["status_str"], messages)
-        steps_done = [line for line in (comfy / "trial_server.log").read_text().splitlines() if "interrupted" in line]
-        print("  log:", steps_done[-1].strip() if steps_done else "(no interrupt line)")
-        again = ui_to_api(workflow, info, {**small, "TPUCogVideoXSampler": {**small["TPUCogVideoXSampler"], "seed": 3}})
-        result = wait_for(port, http(port, "/prompt", {"prompt": again})["prompt_id"], 600)
-        assert result["status"]["status_str"] == "success", result["status"]
-        print("next prompt after Cancel succeeded")
-        loads_before = (comfy / "trial_server.log").read_text().count("loaded CogVideoX-2b-tiny/transformer")
-        http(port, "/free", {"unload_models": True, "free_memory": True})
-        time.sleep(3)
-        # "Unload models" must have dropped our device copy: the next prompt loads the transformer again.
-        again = ui_to_api(workflow, info, {**small, "TPUCogVideoXSampler": {**small["TPUCogVideoXSampler"], "seed": 5}})
-        result = wait_for(port, http(port, "/prompt", {"prompt": again})["prompt_id"], 600)
-        assert result["status"]["status_str"] == "success", result["status"]
-        loads_after = (comfy / "trial_server.log").read_text().count("loaded CogVideoX-2b-tiny/transformer")
-        assert loads_after == loads_before + 1, (loads_before, loads_after)
-        print("/free released our weights: the next prompt reloaded them and succeeded")
+        files = info["TPUWanModelFilesLoader"]["input"]["required"]
+        assert "wan_transformer_fp16.safetensors" in files["diffusion_model"][0], files["diffusion_model"]
+        print("loaders list the tiny models from ComfyUI's model folders")
+        for family in (["cogvideox", "wan"] if args.family == "both" else [args.family]):
+            trial(family, port, comfy, info)
         return 0
     finally:
         server.terminate()

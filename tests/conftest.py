@@ -4,6 +4,7 @@ JAX runs on CPU in tests: JAX_PLATFORMS is set before anything imports jax. The 
 goes to a per-session temporary folder so tests never read a cache left by an earlier run.
 """
 
+import importlib.abc
 import os
 import sys
 import tempfile
@@ -18,6 +19,32 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+
+def _forget_the_folder_around_the_clone() -> None:
+    """pytest puts the folder that holds this checkout first on sys.path: the checkout is a Python package
+    (ComfyUI's __init__.py sits at its root) and pytest imports it when it sets up the first test. Whatever lies
+    beside the clone must not shadow an import (a ComfyUI checkout named `comfy` did): the tests see the same
+    modules wherever the clone sits."""
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT.parent]
+
+
+_forget_the_folder_around_the_clone()
+
+
+class _NoComfyUI(importlib.abc.MetaPathFinder):
+    """ComfyUI's modules are never imported from wherever they happen to be installed: a test that needs ComfyUI
+    puts an explicit stand-in into sys.modules (which is consulted before this finder)."""
+
+    NAMES = ("comfy", "comfy_extras", "folder_paths")
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in self.NAMES:
+            raise ModuleNotFoundError(f"tests use explicit ComfyUI stand-ins, not an installed {name}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _NoComfyUI())
+
 import pytest  # noqa: E402
 
 PROMPT = "a panda playing a guitar"
@@ -25,6 +52,12 @@ NEGATIVE = "blurry, low quality"
 # Small sizes per generation: frames follow each generation's rule; 1.5 gets an odd latent frame count (5) so the
 # padding frame is exercised.
 SIZES = {"2b": (64, 96, 9), "5b": (64, 96, 9), "1.5": (64, 64, 17)}
+
+
+@pytest.fixture(autouse=True)
+def _same_imports_wherever_the_clone_sits():
+    _forget_the_folder_around_the_clone()  # again: pytest's package setup has just put it back
+    yield
 
 
 @pytest.fixture(scope="session")
