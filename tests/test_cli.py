@@ -74,3 +74,56 @@ def test_bad_attention_settings_exit_2(tiny_models, tmp_path):
         env=subprocess_env(), capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 2 and "mesh dp=2,sp=1,tp=4 uses 8 devices but 1 are available" in proc.stderr
+
+
+def test_wan_demo_and_single_files_from_the_command_line(tiny_wan, tmp_path):
+    """`demo --generation wan2.2-a14b`, then `generate` with ComfyUI's single files (both experts, scaled fp8)
+    gives the same frames as `generate --model` on the folder, with Wan's options."""
+    import numpy as np
+
+    from tpu_runtime import stage_files
+    from tpu_runtime.tiny import export_comfy_files
+
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "tpu_runtime", "demo", "--generation", "wan2.2-a14b",
+                           "--steps", "2", "--output-dir", str(out)],
+                          env=subprocess_env(TPU_VIDEO_CACHE_DIR=tmp_path / "cache"), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RANDOM weights" in proc.stdout and "real Wan model" in proc.stdout
+    frames, _ = read_mp4(out / "output_video.mp4")
+    assert frames.shape == (9, 64, 96, 3)
+    config = json.loads((out / "generation_config.json").read_text())
+    assert config["family"] == "wan" and config["generation"] == "2.2-A14B" and config["fps"] == 16
+
+    files = export_comfy_files(tiny_wan["2.2-A14B"], tmp_path / "files", "fp8_scaled")
+    common = ["--prompt", "a cat", "--height", "64", "--width", "64", "--frames", "9", "--steps", "3",
+              "--scheduler", "euler", "--shift", "6", "--guidance", "4", "--guidance-2", "2", "--dtype", "float32"]
+    runs = {
+        "files": ["--transformer", files["transformer"], "--transformer-2", files["transformer_2"],
+                  "--text-encoder", files["text_encoder"], "--vae", files["vae"]],
+        "folder": ["--model", tiny_wan["2.2-A14B"]],
+    }
+    for name, source in runs.items():
+        proc = subprocess.run([sys.executable, "-m", "tpu_runtime", "generate", *map(str, source), *common,
+                               "--output-dir", str(tmp_path / name)], env=subprocess_env(), capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = (stage_files.load_frames(tmp_path / name).numpy() for name in runs)
+    assert np.abs(a - b).max() < 1e-5
+
+
+def test_wan_bad_options_exit_2(tiny_wan, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpu_runtime", "generate", "--model", str(tiny_wan["2.1"]), "--prompt", "a cat",
+         "--height", "64", "--width", "64", "--frames", "9", "--guidance-2", "3", "--output-dir", str(tmp_path)],
+        env=subprocess_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 2 and "guidance_2=3.0 applies only to two-expert" in proc.stderr
+    assert not (tmp_path / "stage1_embeddings.safetensors").exists(), "refused only after the encode stage ran"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpu_runtime", "generate", "--transformer", str(tmp_path / "x.safetensors"),
+         "--prompt", "a cat", "--output-dir", str(tmp_path)], env=subprocess_env(), capture_output=True, text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 2 and "--text-encoder, --vae" in proc.stderr

@@ -95,5 +95,5 @@ def test_bad_dtype_and_scheduler(tiny_models, no_compiles):
     with pytest.raises(InputError, match="dtype must be one of"):
         CogVideoXFamily(tiny_models["2b"], dtype="float16")
     family = CogVideoXFamily(tiny_models["2b"], dtype="float32")
-    with pytest.raises(InputError, match="scheduler must be one of"):
+    with pytest.raises(InputError, match="scheduler .euler. is not one CogVideoX uses: pick one of"):
         family.scheduler("euler")
