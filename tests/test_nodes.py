@@ -275,7 +275,7 @@ def test_wan_files_loader_lists_comfy_folders_and_matches_diffusers(pack, tiny_w
     high, low = "wan_transformer_fp8_scaled.safetensors", "wan_transformer_2_fp8_scaled.safetensors"
     assert inputs["required"]["diffusion_model"][0] == sorted([high, low])
     assert inputs["optional"]["diffusion_model_2"][0] == ["none", *sorted([high, low])]
-    (model,) = loader().load(high, "umt5_fp16.safetensors", "wan_vae_bf16.safetensors", "float32",
+    (model,) = loader().load(high, files["text_encoder"].name, files["vae"].name, "float32",
                              diffusion_model_2=low)
     assert model.two_experts
     _, image = _wan_chain(pack, model, steps=5, guidance=4.0, guidance_2=2.0)

@@ -3,6 +3,7 @@ same folder (or the same weights as ComfyUI single files), prompt and seed, floa
 
 import numpy as np
 import pytest
+import torch
 from conftest import NEGATIVE, PROMPT, WAN_SIZE
 from oracle import wan_frames
 
@@ -79,11 +80,20 @@ def test_two_experts_switch_like_diffusers(tiny_wan, tmp_path):
     ("2.2-TI2V-5B", "bf16", ""),
 ])
 def test_comfyui_single_files_match_diffusers(tiny_wan, tmp_path, generation, fmt, prefix):
-    """ComfyUI's single files (original Wan names, fp16 / scaled fp8 / bf16, umT5 with its tokenizer inside, the
-    2.1 or 2.2 VAE) load with the architecture read from the shapes and give diffusers' frames."""
+    """ComfyUI's single files (original Wan names, fp16 / scaled fp8 / bf16, umT5 with its tokenizer inside, also
+    in scaled fp8, the 2.1 or 2.2 VAE) load with the architecture read from the shapes and give diffusers'
+    frames."""
+    from safetensors import safe_open
+
     folder = tiny_wan[generation]
     files = export_comfy_files(folder, tmp_path / "files", fmt, prefix=prefix)
     assert (generation == "2.2-A14B") == ("transformer_2" in files)
+    if fmt == "fp8_scaled":  # really quantised: fp8 matrices with their scales, in both the transformer and umT5
+        for key in ("transformer", "text_encoder"):
+            with safe_open(str(files[key]), "pt") as f:
+                names = list(f.keys())
+                assert "scaled_fp8" in names and any(n.endswith(".scale_weight") for n in names)
+                assert any(f.get_tensor(n).dtype == torch.float8_e4m3fn for n in names if n.endswith(".weight"))
     _close(_ours(tmp_path / "out", files=files), _ref(folder))
 
 

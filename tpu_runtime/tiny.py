@@ -248,7 +248,7 @@ def build_tiny_wan(directory: str | Path, generation: str = "2.1", seed: int = 0
         relative_attention_num_buckets=8, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
         dropout_rate=0.0, is_encoder_decoder=False,
     )).eval()
-    randomise(t5, std=0.3)
+    randomise(t5, fp8=True, std=0.3)
     t5.save_pretrained(directory / "text_encoder")
 
     channels = 48 if ti2v else 16
@@ -400,8 +400,9 @@ def _fp8_scaled(tensors: dict) -> dict:
 def export_comfy_files(folder: str | Path, out: str | Path, fmt: str = "fp16",
                        prefix: str = "model.diffusion_model.") -> dict[str, Path]:
     """Write a tiny Wan diffusers folder as the single files ComfyUI's templates use: the transformer(s) in the
-    original key names (``fmt``: fp32, fp16, bf16 or fp8_scaled), umT5 with its SentencePiece model inside, the
-    VAE in the original names. Returns {"transformer", ["transformer_2"], "text_encoder", "vae"} -> path."""
+    original key names (``fmt``: fp32, fp16, bf16 or fp8_scaled), umT5 with its SentencePiece model inside (fp16,
+    or scaled fp8 with an fp8_scaled transformer, as umt5_xxl_fp8_e4m3fn_scaled), the VAE in the original names
+    (bf16). Returns {"transformer", ["transformer_2"], "text_encoder", "vae"} -> path."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -420,9 +421,12 @@ def export_comfy_files(folder: str | Path, out: str | Path, fmt: str = "fp16",
         save_file(tensors, str(paths[name]))
     text = load_file(str(folder / "text_encoder" / "model.safetensors"))
     text = {k: v.to(torch.float16) for k, v in text.items() if k != "encoder.embed_tokens.weight"}
+    text_fmt = "fp8_scaled" if fmt == "fp8_scaled" else "fp16"
+    if text_fmt == "fp8_scaled":
+        text = _fp8_scaled(text)
     spm = (folder / "tokenizer" / "spiece.model").read_bytes()
     text["spiece_model"] = torch.frombuffer(bytearray(spm), dtype=torch.uint8)
-    paths["text_encoder"] = out / "umt5_fp16.safetensors"
+    paths["text_encoder"] = out / f"umt5_{text_fmt}.safetensors"
     save_file(text, str(paths["text_encoder"]))
     vae_config = json.loads((folder / "vae" / "config.json").read_text())
     vae = load_file(str(folder / "vae" / "diffusion_pytorch_model.safetensors"))
