@@ -71,7 +71,6 @@ class TPUCogVideoXTextEncode(TextEncodeNode):
 
     MODEL_TYPE, EMBEDS_TYPE = MODEL_TYPE, EMBEDS_TYPE
     RETURN_TYPES = (EMBEDS_TYPE,)
-    RETURN_NAMES = ("embeds",)
     CATEGORY = CATEGORY
 
 

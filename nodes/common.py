@@ -80,7 +80,8 @@ def install_comfy_unload_hook() -> bool:
 class TextEncodeNode:
     """Text-encoder embeddings for a prompt and a negative prompt."""
 
-    MODEL_TYPE = EMBEDS_TYPE = ""
+    MODEL_TYPE = EMBEDS_TYPE = ""  # a family's subclass sets both, and RETURN_TYPES = (EMBEDS_TYPE,)
+    RETURN_NAMES = ("embeds",)
     FUNCTION = "encode"
 
     @classmethod

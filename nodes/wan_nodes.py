@@ -114,7 +114,6 @@ class TPUWanTextEncode(TextEncodeNode):
 
     MODEL_TYPE, EMBEDS_TYPE = MODEL_TYPE, EMBEDS_TYPE
     RETURN_TYPES = (EMBEDS_TYPE,)
-    RETURN_NAMES = ("embeds",)
     CATEGORY = CATEGORY
 
 

@@ -154,12 +154,17 @@ def build_tiny_cogvideox(directory: str | Path, generation: str = "2b", seed: in
         "transformer": ["diffusers", "CogVideoXTransformer3DModel"],
         "vae": ["diffusers", "AutoencoderKLCogVideoX"],
     }
+    return _finish(directory, model_index, f"CogVideoX-{generation}", seed)
+
+
+def _finish(directory: Path, model_index: dict, label: str, seed: int) -> Path:
+    """Write model_index.json and the marker that says the weights are random."""
     (directory / "model_index.json").write_text(json.dumps(model_index, indent=2))
     (directory / TINY_MARKER).write_text(
-        f"Tiny CogVideoX-{generation}-shaped model with RANDOM weights (seed {seed}).\n"
+        f"Tiny {label}-shaped model with RANDOM weights (seed {seed}).\n"
         "It produces noise, not video; it exists to test and demonstrate the pipeline.\n"
     )
-    log.info("built tiny random-weight CogVideoX-%s model in %s", generation, directory)
+    log.info("built tiny random-weight %s model in %s", label, directory)
     return directory
 
 
@@ -287,13 +292,7 @@ def build_tiny_wan(directory: str | Path, generation: str = "2.1", seed: int = 0
         "boundary_ratio": 0.875 if len(experts) == 2 else None,
         "expand_timesteps": ti2v,
     }
-    (directory / "model_index.json").write_text(json.dumps(model_index, indent=2))
-    (directory / TINY_MARKER).write_text(
-        f"Tiny Wan-{generation}-shaped model with RANDOM weights (seed {seed}).\n"
-        "It produces noise, not video; it exists to test and demonstrate the pipeline.\n"
-    )
-    log.info("built tiny random-weight Wan-%s model in %s", generation, directory)
-    return directory
+    return _finish(directory, model_index, f"Wan-{generation}", seed)
 
 
 # diffusers -> original Wan names, the inverse of what ComfyUI's files hold (written out independently of
