@@ -16,7 +16,8 @@ log = logging.getLogger(__name__)
 _models: dict[tuple, object] = {}  # (family, source, dtype, mesh, attention) -> loaded family
 _models_lock = threading.Lock()
 
-DTYPE_INPUT = (["auto", "bfloat16", "float32"], {"default": "auto", "tooltip": "auto: bfloat16 on TPU/GPU, float32 on CPU"})
+DTYPE_INPUT = (["auto", "bfloat16", "float32"],
+               {"default": "auto", "tooltip": "auto: bfloat16 on TPU/GPU, float32 on CPU"})
 DEVICE_INPUTS = {
     "mesh": ("STRING", {"default": "auto", "tooltip": "dp=N,sp=N,tp=N over all devices; auto: CFG batch on dp, "
              "heads on tp (dp=2,tp=4 on a v6e-8)"}),

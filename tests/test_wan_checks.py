@@ -179,7 +179,6 @@ def test_vae_names_agree_with_diffusers_converter_on_the_released_2_1_layout():
     convert_wan_vae_to_diffusers (written for the released Wan 2.1 VAE) on that VAE's full key set."""
     from diffusers import AutoencoderKLWan
     from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
-    from safetensors.torch import save_file
 
     from tpu_runtime.tiny import wan_vae_to_original
     with torch.device("meta"):

@@ -34,7 +34,8 @@ CORE_NODES = {
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
 # Lists of the user's downloads: any name is valid.
 DYNAMIC_COMBOS = {("TPUCogVideoXLoader", "model"), ("TPUWanLoader", "model"),
-                  *(("TPUWanModelFilesLoader", n) for n in ("diffusion_model", "diffusion_model_2", "text_encoder", "vae"))}
+                  *(("TPUWanModelFilesLoader", n)
+                    for n in ("diffusion_model", "diffusion_model_2", "text_encoder", "vae"))}
 
 
 @pytest.fixture(scope="module")

@@ -219,8 +219,8 @@ def bench_single_file_load(size_mb: int, dtypes=("bfloat16", "float32")) -> dict
     with torch.device("meta"):
         meta = WanTransformer3DModel(num_attention_heads=12, attention_head_dim=128, ffn_dim=ffn, num_layers=layers,
                                      text_dim=4096, freq_dim=256)
-    tensors = {"model.diffusion_model." + wan_transformer_to_original(k): torch.randn(tuple(v.shape)).to(torch.float16) * 0.02
-               for k, v in meta.state_dict().items()}
+    tensors = {"model.diffusion_model." + wan_transformer_to_original(k):
+               (torch.randn(tuple(v.shape)) * 0.02).to(torch.float16) for k, v in meta.state_dict().items()}
     path = work / "wan_transformer_fp16.safetensors"
     save_file(tensors, str(path))
     del tensors
@@ -252,7 +252,8 @@ def print_table(r: dict) -> None:
           f"{r['ratios']['cold_ours_over_diffusers']:.2f}")
     print(f"  warm (median)       {statistics.median(o['warm_runs_s']):>8.2f} s   "
           f"{statistics.median(d['runs_s'][1:] or d['runs_s']):>8.2f} s        {r['ratios']['warm_ours_over_diffusers']:.2f}")
-    print(f"  XLA programs compiled in total: {o['xla_compiles_total']} (persistent-cache hits {o['persistent_cache_hits']})")
+    print(f"  XLA programs compiled in total: {o['xla_compiles_total']} "
+          f"(persistent-cache hits {o['persistent_cache_hits']})")
     if "group_norm" in r:
         print("\n  VAE GroupNorm     compile s   run s (median)   temp MiB")
         for name, g in r["group_norm"].items():
@@ -269,7 +270,8 @@ def print_table(r: dict) -> None:
 def print_load_table(r: dict) -> None:
     print(f"\nsingle-file Wan transformer: {r['file_mb']:.0f} MiB fp16 ({r['layers']} layers of Wan 2.1 1.3B width), "
           "loaded by our loader in a fresh process")
-    print(f"  {'run dtype':<10} {'host s':>7} {'weights MiB':>12} {'peak allocated MiB':>19} {'peak mapped file MiB':>21}")
+    print(f"  {'run dtype':<10} {'host s':>7} {'weights MiB':>12} {'peak allocated MiB':>19} "
+          f"{'peak mapped file MiB':>21}")
     for dtype in ("bfloat16", "float32"):
         if dtype in r:
             x = r[dtype]
@@ -280,7 +282,8 @@ def print_load_table(r: dict) -> None:
 
 
 def add_args(p) -> None:
-    p.add_argument("--model", help="a CogVideoX or Wan diffusers folder (default: a tiny random-weight model built now)")
+    p.add_argument("--model", help="a CogVideoX or Wan diffusers folder (default: a tiny random-weight model "
+                   "built now)")
     p.add_argument("--generation", choices=list(GENERATIONS), default="2b", help="for the tiny model")
     p.add_argument("--height", type=int, default=64)
     p.add_argument("--width", type=int, help="default 96 (64 for CogVideoX 1.5 and Wan)")
