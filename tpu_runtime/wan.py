@@ -306,7 +306,8 @@ class WanFamily(ModelFamily):
 
     def describe(self) -> dict:
         source = str(self.path) if self.path is not None else {k: str(v) for k, v in vars(self.files).items() if v}
-        return {**super().describe(), "source": source, "two_experts": self.two_experts}
+        return {**super().describe(), "source": source, "two_experts": self.two_experts,
+                "expand_timesteps": self.expand_timesteps}
 
     # --- validation ------------------------------------------------------------------------------------------
     def validate(self, height: int, width: int, num_frames: int) -> None:
