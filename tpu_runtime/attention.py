@@ -77,9 +77,21 @@ def attention_scope(config: AttentionConfig, mesh=None):
         _active.reset(token)
 
 
-def active_config(backend: str) -> tuple[AttentionConfig, object]:
+def target_platform(mesh=None) -> str:
+    """The platform a program is compiled for: that of the mesh's devices when there is a mesh (a mesh over a TPU
+    topology's devices compiles for TPU even in a CPU-only process), else the process's default backend."""
+    if mesh is not None:
+        return mesh.devices.flat[0].platform
+    import jax
+
+    return jax.default_backend()
+
+
+def active_config() -> tuple[AttentionConfig, object, str]:
+    """The active configuration resolved for its mesh's platform, the mesh, and that platform."""
     config, mesh = _active.get() or (AttentionConfig(), None)
-    return config.resolve(backend), mesh
+    platform = target_platform(mesh)
+    return config.resolve(platform), mesh, platform
 
 
 # --- implementations over jax arrays [B, H, L, D] --------------------------------------------------------------
@@ -254,7 +266,6 @@ def attention(q, k, v, scale: float, config: AttentionConfig, backend: str, mesh
 # --- the torchax override ----------------------------------------------------------------------------------------
 def sdpa_override(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """Stands in for ``torch.nn.functional.scaled_dot_product_attention`` inside the torchax environment."""
-    import jax
     import jax.numpy as jnp
     from torchax.interop import call_jax
 
@@ -262,7 +273,7 @@ def sdpa_override(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
         raise NotImplementedError("attention dropout is not supported (inference only)")
     head_dim = query.shape[-1]
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
-    config, mesh = active_config(jax.default_backend())
+    config, mesh, platform = active_config()
     if attn_mask is not None or is_causal or enable_gqa or query.ndim != 4:
         def masked(q, k, v, mask):
             if is_causal:
@@ -274,5 +285,5 @@ def sdpa_override(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
             return reference_attention(q, k, v, scale, mask)
 
         return call_jax(masked, query, key, value, attn_mask)
-    return call_jax(functools.partial(attention, scale=scale, config=config, backend=jax.default_backend(),
-                                      mesh=mesh), query, key, value)
+    return call_jax(functools.partial(attention, scale=scale, config=config, backend=platform, mesh=mesh),
+                    query, key, value)

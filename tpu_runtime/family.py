@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from .attention import AttentionConfig
+from .attention import AttentionConfig, target_platform
 from .errors import InputError, Interrupted, StageFileError
 from .runtime import Runtime, compile_stats, get_runtime
 from .sharding import MeshSpec, default_mesh, parse_mesh, validate_mesh
@@ -183,7 +183,7 @@ class ModelFamily:
         self.mesh = self.runtime.make_mesh(self.mesh_spec)
         if isinstance(attention, str) or attention is None:
             attention = AttentionConfig(impl=attention or "auto")
-        self.attention = attention.resolve(self.runtime.backend)
+        self.attention = attention.resolve(target_platform(self.mesh))
         self.fsdp = bool(fsdp)
         self.timings = StageTimings()
         self._parts: dict[str, object] = {}
