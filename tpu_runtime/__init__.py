@@ -1,11 +1,11 @@
-"""TPU video runtime: CogVideoX (and later Wan) on JAX through torchax.
+"""TPU video runtime: CogVideoX and Wan on JAX through torchax.
 
 Importing this package is cheap and touches no device; the runtime starts on first use (``get_runtime``).
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "get_runtime", "CogVideoXFamily"]
+__all__ = ["__version__", "get_runtime", "CogVideoXFamily", "WanFamily"]
 
 
 def __getattr__(name):
@@ -18,4 +18,8 @@ def __getattr__(name):
         from .cogvideox import CogVideoXFamily
 
         return CogVideoXFamily
+    if name == "WanFamily":
+        from .wan import WanFamily
+
+        return WanFamily
     raise AttributeError(name)
