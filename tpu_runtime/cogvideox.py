@@ -17,6 +17,7 @@ latent frame count gets one extra latent frame in front, dropped before decode).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -29,6 +30,7 @@ from .attention import AttentionConfig, attention_scope
 from .errors import InputError, ModelFolderError, StageFileError
 from .family import (
     ModelFamily,
+    StageProgram,
     forwards_replaced,
     SampleSettings,
     TextEmbeddings,
@@ -57,8 +59,9 @@ def _has_weights(folder: Path) -> bool:
     return any(p.name.endswith(_WEIGHT_SUFFIXES) for p in folder.iterdir())
 
 
-def inspect_model_folder(path: str | Path) -> dict:
-    """Check that ``path`` is a complete diffusers CogVideoX text-to-video folder; return its model_index."""
+def inspect_model_folder(path: str | Path, weights: bool = True) -> dict:
+    """Check that ``path`` is a complete diffusers CogVideoX text-to-video folder; return its model_index.
+    ``weights=False``: only the configs are needed (planning compiles with the weights' shapes alone)."""
     folder = Path(path).expanduser()
     if not folder.exists():
         raise ModelFolderError(
@@ -81,14 +84,14 @@ def inspect_model_folder(path: str | Path) -> dict:
             "supported so far: use CogVideoX-2b, CogVideoX-5b or CogVideoX1.5-5B"
         )
     missing = []
-    for name in COMPONENTS:
+    for name in COMPONENTS if weights else ("scheduler", "text_encoder", "transformer", "vae"):
         sub = folder / name
         if not sub.is_dir():
             missing.append(f"{name}/ (folder missing)")
         elif name in ("text_encoder", "transformer", "vae"):
             if not (sub / "config.json").is_file():
                 missing.append(f"{name}/config.json")
-            if not _has_weights(sub):
+            if weights and not _has_weights(sub):
                 missing.append(f"{name}/*.safetensors (no weights)")
         elif name == "scheduler" and not (sub / "scheduler_config.json").is_file():
             missing.append("scheduler/scheduler_config.json")
@@ -147,9 +150,9 @@ class CogVideoXFamily(ModelFamily):
 
     def __init__(self, path: str | Path, dtype: str = "auto", runtime: Runtime | None = None,
                  mesh: "str | dict | MeshSpec | None" = None, attention: "AttentionConfig | str | None" = None,
-                 fsdp: bool = False, vae_sharding: str = "replicated"):
+                 fsdp: bool = False, vae_sharding: str = "replicated", target_devices=None):
         self.path = resolve_model_path(path)
-        self.index = inspect_model_folder(self.path)
+        self.index = inspect_model_folder(self.path, weights=target_devices is None)
         self.transformer_config = json.loads((self.path / "transformer" / "config.json").read_text())
         self.vae_config = json.loads((self.path / "vae" / "config.json").read_text())
         self.generation = generation_of(self.transformer_config)
@@ -158,7 +161,7 @@ class CogVideoXFamily(ModelFamily):
         self.vae_scale_spatial = 2 ** (len(self.vae_config["block_out_channels"]) - 1)
         self.vae_scale_temporal = int(self.vae_config.get("temporal_compression_ratio", 4))
         self._setup(dtype, runtime, mesh, attention, fsdp, heads=self.transformer_config["num_attention_heads"],
-                    vae_sharding=vae_sharding)
+                    vae_sharding=vae_sharding, target_devices=target_devices)
 
     # --- loading ---------------------------------------------------------------------------------------------
     def _load_component(self, name: str):
@@ -181,6 +184,27 @@ class CogVideoXFamily(ModelFamily):
 
             return AutoencoderKLCogVideoX.from_pretrained(self.path / "vae", dtype=self.dtype).eval()
         raise KeyError(name)
+
+    def _abstract_component(self, name: str) -> torch.nn.Module:
+        if name == "text_encoder":
+            from transformers import T5Config, T5EncoderModel
+
+            build = lambda: T5EncoderModel(T5Config.from_pretrained(self.path / "text_encoder"))  # noqa: E731
+        elif name == "transformer":
+            from diffusers import CogVideoXTransformer3DModel
+
+            build = lambda: CogVideoXTransformer3DModel.from_config(self.transformer_config)  # noqa: E731
+        elif name == "vae":
+            from diffusers import AutoencoderKLCogVideoX
+
+            build = lambda: AutoencoderKLCogVideoX.from_config(self.vae_config)  # noqa: E731
+        else:
+            raise KeyError(name)
+        with torch.device("meta"):
+            part = build().to(self.dtype).eval()
+        if name == "transformer":
+            part.set_attn_processor(CogVideoXFunctionalAttnProcessor())
+        return part
 
     def _rules_for(self, name: str):
         return {"text_encoder": T5_ENCODER_RULES, "transformer": COGVIDEOX_TRANSFORMER_RULES}.get(name, VAE_RULES)
@@ -256,21 +280,27 @@ class CogVideoXFamily(ModelFamily):
             raise InputError("prompt is empty: describe the video you want")
         negative_prompt = negative_prompt or ""
         ids = self.tokenize([negative_prompt, prompt])
-        self._component("text_encoder")
-        encoder_fn = self.runtime.module_function(self._parts["text_encoder"])
-        state = self._states["text_encoder"]
-        dtype = self.dtype
-
-        def encode_fn(state, ids):
-            return encoder_fn(state, ids)[0].astype(jax_dtype(dtype))
-
-        ids_dev = self.runtime.put(ids.to(torch.int32), self.runtime.sharding(self.mesh))
-        program = self._compile("encode", encode_fn, (self.dtype_name, tuple(ids.shape)), state, ids_dev,
-                                describe=f"T5 text encoder for {ids.shape[1]} tokens")
+        program = self.encode_program()
+        executable = self.compile_stage(program)
+        ids_dev = self.put(ids.to(torch.int32))
         start = time.perf_counter()
-        embeds = self.runtime.to_cpu(program(state, ids_dev))
+        embeds = self.runtime.to_cpu(executable(program.example[0], ids_dev))
         self._record_run("encode", start)
         return TextEmbeddings(embeds[1:2], embeds[0:1], prompt, negative_prompt, self.signature)
+
+    def encode_program(self) -> StageProgram:
+        """T5 over token ids ``[negative, positive]`` padded to the transformer's text length."""
+        self._component("text_encoder")
+        encoder_fn = self.runtime.module_function(self._parts["text_encoder"])
+        dtype = jax_dtype(self.dtype)
+
+        def encode_fn(state, ids):
+            return encoder_fn(state, ids)[0].astype(dtype)
+
+        shape = (2, self.text_len)
+        return StageProgram("encode", encode_fn, (self._states["text_encoder"], self.arg(shape, torch.int32)),
+                            (self.dtype_name, shape), f"T5 text encoder for {self.text_len} tokens", self.traced,
+                            ("text_encoder",))
 
     # --- stage 2: sampling -------------------------------------------------------------------------------------
     def latent_shape(self, height: int, width: int, num_frames: int) -> tuple[tuple[int, ...], int]:
@@ -317,9 +347,6 @@ class CogVideoXFamily(ModelFamily):
         should_stop: Callable[[], bool] | None = None,
     ) -> VideoLatents:
         """Denoise from seeded noise; ``on_step(i, total)`` after each step, ``should_stop()`` before each."""
-        import jax
-        import jax.numpy as jnp
-
         s = settings
         self.validate(s.height, s.width, s.num_frames)
         self.validate_settings(s)
@@ -330,6 +357,9 @@ class CogVideoXFamily(ModelFamily):
         cfg = s.guidance > 1.0
         self.check_cfg_mesh(cfg)
         shape, pad = self.latent_shape(s.height, s.width, s.num_frames)
+        program = self.sample_program(s.height, s.width, s.num_frames, cfg)
+        executable = self.compile_stage(program)
+        state = program.example[0]
 
         # Random draws, on CPU, in diffusers' order: the initial noise, then (DPM) the noise of every step.
         generator = torch.Generator("cpu").manual_seed(int(s.seed))
@@ -341,11 +371,47 @@ class CogVideoXFamily(ModelFamily):
         timesteps = scheduler.timesteps
         plan = cogvideox_plan(scheduler, timesteps, s.guidance, s.dynamic_cfg, dpm=stochastic)
 
+        put = self.put
+        embeds = torch.cat([embeddings.negative_prompt_embeds, embeddings.prompt_embeds]) if cfg \
+            else embeddings.prompt_embeds
+        embeds_dev = put(embeds.to(self.dtype), ("dp",))
+        rope = self._rotary_embeddings(s.height, s.width, shape[1])
+        rope_dev = put(rope) if rope is not None else None
+        latents_dev = put(latents)
+        noise_zero = put(torch.zeros(shape, dtype=self.dtype))  # DDIM adds no noise (its coefficient D is 0)
+        old_x0 = put(torch.zeros(shape, dtype=torch.float32))  # no previous x0 before the first step (Q is 0)
+        carry = {"latents": latents_dev, "old_x0": old_x0}
+
+        def step(i):
+            noise = noise_zero
+            if stochastic:
+                noise = randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=self.dtype)
+                if plan.second_draw[i]:
+                    noise = randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=self.dtype)
+                noise = put(noise)
+            carry["latents"], carry["old_x0"] = executable(
+                state, carry["latents"], embeds_dev, put(torch.tensor([int(timesteps[i])], dtype=torch.int32)),
+                put(torch.from_numpy(plan.coeffs[i])), noise, carry["old_x0"], rope_dev,
+            )
+            return carry["latents"]
+
+        self.run_steps(len(timesteps), step, on_step, should_stop)
+        start = time.perf_counter()
+        latents_dev = carry["latents"]
+        result = self.runtime.to_cpu(latents_dev)
+        self._record_run("sample", start)
+        result = result[:, pad:].permute(0, 2, 1, 3, 4).float().contiguous()
+        return VideoLatents(result, s.height, s.width, s.num_frames, self.signature)
+
+    def sample_program(self, height: int, width: int, num_frames: int, cfg: bool) -> StageProgram:
+        """One denoising step: CFG batch, transformer, guidance and the scheduler update, coefficients as arrays."""
+        import jax
+        import jax.numpy as jnp
+
+        shape, _ = self.latent_shape(height, width, num_frames)
         self._component("transformer")
         transformer_fn = self.runtime.module_function(self._parts["transformer"])
-        state = self._states["transformer"]
         model_dtype = jax_dtype(self.dtype)
-
         batch_sharding = self.runtime.sharding(self.mesh, ("dp",))
         replicated = self.runtime.sharding(self.mesh)
 
@@ -365,53 +431,21 @@ class CogVideoXFamily(ModelFamily):
             return (jax.lax.with_sharding_constraint(prev.astype(model_dtype), replicated),
                     jax.lax.with_sharding_constraint(x0, replicated))
 
-
-        def put(value, sharding=replicated):
-            return self.runtime.put(value, sharding)
-
-        embeds = torch.cat([embeddings.negative_prompt_embeds, embeddings.prompt_embeds]) if cfg else embeddings.prompt_embeds
-        embeds_dev = put(embeds.to(self.dtype), batch_sharding)
-        rope = self._rotary_embeddings(s.height, s.width, shape[1])
-        rope_dev = put(rope) if rope is not None else None
-        latents_dev = put(latents)
-        noise_zero = put(torch.zeros(shape, dtype=self.dtype))  # DDIM adds no noise (its coefficient D is 0)
-        old_x0 = put(torch.zeros(shape, dtype=torch.float32))  # no previous x0 before the first step (Q is 0)
-        example = (state, latents_dev, embeds_dev, put(torch.zeros((1,), dtype=torch.int32)),
-                   put(torch.zeros((len(COGVIDEOX_COEFFS),), dtype=torch.float32)), noise_zero, old_x0, rope_dev)
-        key = (self.generation, self.dtype_name, cfg, shape, tuple(embeds.shape), self.attention)
-        with attention_scope(self.attention, self.mesh):
-            program = self._compile("sample", step_fn, key, *example,
-                                    describe=f"sampler step for {s.num_frames}x{s.height}x{s.width} "
-                                    f"({'CFG batch 2' if cfg else 'no CFG'}, mesh {self.mesh_spec}, "
-                                    f"{self.attention.impl} attention)")
-        carry = {"latents": latents_dev, "old_x0": old_x0}
-
-        def step(i):
-            noise = noise_zero
-            if stochastic:
-                noise = randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=self.dtype)
-                if plan.second_draw[i]:
-                    noise = randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=self.dtype)
-                noise = put(noise)
-            carry["latents"], carry["old_x0"] = program(
-                state, carry["latents"], embeds_dev, put(torch.tensor([int(timesteps[i])], dtype=torch.int32)),
-                put(torch.from_numpy(plan.coeffs[i])), noise, carry["old_x0"], rope_dev,
-            )
-            return carry["latents"]
-
-        self.run_steps(len(timesteps), step, on_step, should_stop)
-        start = time.perf_counter()
-        latents_dev = carry["latents"]
-        result = self.runtime.to_cpu(latents_dev)
-        self._record_run("sample", start)
-        result = result[:, pad:].permute(0, 2, 1, 3, 4).float().contiguous()
-        return VideoLatents(result, s.height, s.width, s.num_frames, self.signature)
+        embeds_shape = (2 if cfg else 1, self.text_len, int(self.transformer_config["text_embed_dim"]))
+        rope = self._rotary_embeddings(height, width, shape[1])
+        arg = self.arg
+        example = (self._states["transformer"], arg(shape, self.dtype), arg(embeds_shape, self.dtype, ("dp",)),
+                   arg((1,), torch.int32), arg((len(COGVIDEOX_COEFFS),), torch.float32), arg(shape, self.dtype),
+                   arg(shape, torch.float32), tuple(arg(t.shape, t.dtype) for t in rope) if rope else None)
+        key = (self.generation, self.dtype_name, cfg, shape, embeds_shape, self.attention)
+        return StageProgram("sample", step_fn, example, key,
+                            f"sampler step for {num_frames}x{height}x{width} ({'CFG batch 2' if cfg else 'no CFG'},"
+                            f" mesh {self.mesh_spec}, {self.attention.impl} attention)", self.traced,
+                            ("transformer",))
 
     # --- stage 3: decode ---------------------------------------------------------------------------------------
     def decode(self, latents: VideoLatents, tiling: bool = False, group_norm: str = "stock") -> torch.Tensor:
         """Frames ``[F, H, W, 3]`` float32 in 0..1 from stage-2 latents."""
-        import jax.numpy as jnp
-
         if group_norm not in GROUP_NORMS:
             raise InputError(f"group_norm must be one of {GROUP_NORMS}, got {group_norm!r}")
         self.check_made_here(latents)
@@ -421,27 +455,39 @@ class CogVideoXFamily(ModelFamily):
             raise StageFileError(
                 f"latents have shape {tuple(z.shape)}; this model's VAE decodes [1, {channels}, T, H/8, W/8]"
             )
+        program = self.decode_program(tuple(z.shape), tiling, group_norm)
+        executable = self.compile_stage(program)
+        z_dev = self.put(z.to(self.dtype), self._vae_input_spec(z.shape))
+        start = time.perf_counter()
+        frames = self.runtime.to_cpu(executable(program.example[0], z_dev))
+        self._record_run("decode", start)
+        return frames
+
+    def decode_program(self, z_shape: tuple[int, ...], tiling: bool = False, group_norm: str = "stock") -> StageProgram:
+        """The VAE decode of latents ``[1, C, T, h, w]`` to frames ``[F, H, W, 3]`` in 0..1."""
+        import jax.numpy as jnp
+
         vae = self._component("vae")
         vae.use_tiling = bool(tiling)
         scaling = float(self.vae_config.get("scaling_factor", 1.15258426))
-        with _vae_for_xla(vae, group_norm):
-            decode_fn = self.runtime.module_function(vae, "decode")
-            state = self._states["vae"]
+        decode_fn = self.runtime.module_function(vae, "decode")
 
-            def frames_fn(state, z):
-                video = decode_fn(state, (1 / scaling) * z, return_dict=False)[0]
-                video = jnp.clip(video * 0.5 + 0.5, 0.0, 1.0)
-                return jnp.transpose(video[0], (1, 2, 3, 0)).astype(jnp.float32)
+        def frames_fn(state, z):
+            video = decode_fn(state, (1 / scaling) * z, return_dict=False)[0]
+            video = jnp.clip(video * 0.5 + 0.5, 0.0, 1.0)
+            return jnp.transpose(video[0], (1, 2, 3, 0)).astype(jnp.float32)
 
-            z_sharding = self.runtime.sharding(self.mesh, self._vae_input_spec(z.shape))
-            z_dev = self.runtime.put(z.to(self.dtype), z_sharding)
-            key = (self.dtype_name, tuple(z.shape), bool(tiling), group_norm, self.vae_sharding)
-            program = self._compile("decode", frames_fn, key, state, z_dev,
-                                    describe=f"VAE decode for {latents.num_frames}x{latents.height}x{latents.width}")
-        start = time.perf_counter()
-        frames = self.runtime.to_cpu(program(state, z_dev))
-        self._record_run("decode", start)
-        return frames
+        @contextlib.contextmanager
+        def scope():
+            with self.traced(), _vae_for_xla(vae, group_norm):
+                yield
+
+        frames = (z_shape[2] - 1) * self.vae_scale_temporal + 1
+        height, width = z_shape[3] * self.vae_scale_spatial, z_shape[4] * self.vae_scale_spatial
+        example = (self._states["vae"], self.arg(z_shape, self.dtype, self._vae_input_spec(z_shape)))
+        key = (self.dtype_name, tuple(z_shape), bool(tiling), group_norm, self.vae_sharding)
+        return StageProgram("decode", frames_fn, example, key, f"VAE decode for {frames}x{height}x{width}", scope,
+                            ("vae",))
 
 
 # --- transformer attention -------------------------------------------------------------------------------------

@@ -11,6 +11,12 @@ Everything here is the same for all of them:
   compile time and XLA compile counts each stage spent;
 - the denoising loop: one compiled step program called once per step, waiting for each step so progress is
   honest and Cancel stops at the next step boundary.
+
+Each stage's program is built by one method (``encode_program``, ``sample_program``, ``decode_program``) that
+returns a ``StageProgram``: the function, its example arguments (weights as placed, inputs as shape structs
+placed on the mesh) and its key. The stage methods compile and run it; ``plan`` compiles the very same programs
+for a TPU topology this process cannot run on (a family made with ``target_devices``: weights are never read,
+only their shapes and dtypes).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from .attention import AttentionConfig, target_platform
+from .attention import AttentionConfig, attention_scope, target_platform
 from .errors import InputError, Interrupted, StageFileError
 from .runtime import Runtime, compile_stats, get_runtime
 from .sharding import MeshSpec, default_mesh, parse_mesh, validate_mesh
@@ -74,6 +80,22 @@ class SampleSettings:
     shift: float | None = None  # Wan: flow shift; None: the model's scheduler config
     guidance_2: float | None = None  # Wan 2.2 two experts: guidance of the low-noise expert (default: guidance)
     boundary: float | None = None  # Wan 2.2 two experts: boundary ratio (default: the model's)
+
+
+@dataclass
+class StageProgram:
+    """One stage's program as the runtime compiles it. ``example`` holds the weights' states as placed (or their
+    shape structs when planning) and every other input as a ``jax.ShapeDtypeStruct`` placed on the mesh;
+    ``scope`` is what tracing needs around it (attention settings, module replacements); ``components`` names the
+    weights it reads."""
+
+    stage: str
+    fn: Callable
+    example: tuple
+    key: tuple
+    describe: str
+    scope: Callable[[], contextlib.AbstractContextManager]
+    components: tuple[str, ...]
 
 
 @dataclass
@@ -164,23 +186,28 @@ class ModelFamily:
     DEFAULT_GUIDANCE = 6.0
 
     def _setup(self, dtype: str, runtime: Runtime | None, mesh, attention, fsdp: bool, heads: int,
-               vae_sharding: str = "replicated") -> None:
-        """dtype, mesh and attention for ``heads`` attention heads; call once the model's configs are read."""
+               vae_sharding: str = "replicated", target_devices=None) -> None:
+        """dtype, mesh and attention for ``heads`` attention heads; call once the model's configs are read.
+
+        ``target_devices``: the devices of a topology to compile for without running (``plan``); the model is then
+        abstract: components are built on ``meta`` and placed as shape structs, nothing is read or run."""
         if vae_sharding not in VAE_SHARDINGS:
             raise InputError(f"vae_sharding must be one of {VAE_SHARDINGS}, got {vae_sharding!r}")
         self.vae_sharding = vae_sharding
         self.runtime = runtime or get_runtime()
+        self.abstract = target_devices is not None
+        self.devices = list(target_devices) if self.abstract else list(self.runtime.devices)
         if dtype == "auto":
-            dtype = "float32" if self.runtime.backend == "cpu" else "bfloat16"
+            dtype = "float32" if self.devices[0].platform == "cpu" else "bfloat16"
         if dtype not in DTYPES:
             raise InputError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
         self.dtype_name = dtype
         self.dtype = DTYPES[dtype]
         self.heads = int(heads)
-        devices = len(self.runtime.devices)
+        devices = len(self.devices)
         self.mesh_spec: MeshSpec = parse_mesh(mesh) or default_mesh(devices, self.heads)
         validate_mesh(self.mesh_spec, devices, self.heads)
-        self.mesh = self.runtime.make_mesh(self.mesh_spec)
+        self.mesh = self.runtime.make_mesh(self.mesh_spec, self.devices)
         if isinstance(attention, str) or attention is None:
             attention = AttentionConfig(impl=attention or "auto")
         self.attention = attention.resolve(target_platform(self.mesh))
@@ -194,17 +221,26 @@ class ModelFamily:
         """Build component ``name`` on the host (a torch module or a tokenizer). Subclasses implement it."""
         raise NotImplementedError
 
+    def _abstract_component(self, name: str) -> torch.nn.Module:
+        """Component ``name`` built on ``meta`` with the dtypes loading would give it (for ``plan``)."""
+        raise NotImplementedError
+
     def _rules_for(self, name: str):
         """The sharding rule table for component ``name``."""
         return ()
 
     def _component(self, name: str):
-        """Component ``name``, loaded once; torch modules are moved to the devices and their host copy freed."""
+        """Component ``name``, loaded once; torch modules are moved to the devices and their host copy freed.
+        An abstract model builds the module on ``meta`` and keeps shape structs as its state."""
         if name in self._parts:
             return self._parts[name]
         start = time.perf_counter()
-        part = self._load_component(name)
-        if isinstance(part, torch.nn.Module):
+        if self.abstract:
+            part = self._abstract_component(name).requires_grad_(False)
+            self._states[name] = self.runtime.abstract_state(part, self.mesh, self._rules_for(name), self.fsdp)
+        else:
+            part = self._load_component(name)
+        if isinstance(part, torch.nn.Module) and not self.abstract:
             part.requires_grad_(False)
             self._states[name] = self.runtime.module_state(part, self.mesh, self._rules_for(name), fsdp=self.fsdp)
             # The device copy is the one used from now on; free the host copy (real models are many GB).
@@ -245,7 +281,7 @@ class ModelFamily:
             )
 
     def check_cfg_mesh(self, cfg: bool) -> None:
-        validate_mesh(self.mesh_spec, len(self.runtime.devices), self.heads, batch=2 if cfg else 1)
+        validate_mesh(self.mesh_spec, len(self.devices), self.heads, batch=2 if cfg else 1)
 
     # --- programs --------------------------------------------------------------------------------------------
     def _compile(self, stage: str, fn, key, *example, describe: str):
@@ -260,6 +296,29 @@ class ModelFamily:
         self.timings.compiles[stage] = self.timings.compiles.get(stage, 0) + delta.xla_compiles
         self.timings.cache_hits[stage] = self.timings.cache_hits.get(stage, 0) + delta.persistent_cache_hits
         return program
+
+    def compile_stage(self, program: StageProgram):
+        """The executable of ``program`` (compiled on first use, then from the program table)."""
+        if self.abstract:
+            raise RuntimeError(f"{self.label} is planned for devices this process cannot run on: compile its "
+                               "stage programs with plan, not the runtime")
+        with program.scope():
+            return self._compile(program.stage, program.fn, program.key, *program.example,
+                                 describe=program.describe)
+
+    def arg(self, shape, dtype, spec: tuple = ()):
+        """An input of a stage program: a shape struct of ``dtype`` (torch or jax) placed on the mesh by ``spec``."""
+        import jax
+
+        if isinstance(dtype, torch.dtype):
+            from .runtime import jax_dtype_of
+
+            dtype = jax_dtype_of(dtype)
+        return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=self.runtime.sharding(self.mesh, spec))
+
+    def traced(self):
+        """What every stage is traced under: this model's attention settings on its mesh."""
+        return attention_scope(self.attention, self.mesh)
 
     def _record_run(self, stage: str, start: float) -> None:
         self.timings.run[stage] = self.timings.run.get(stage, 0.0) + time.perf_counter() - start

@@ -127,7 +127,7 @@ class Runtime:
         self.env = self.torchax.default_env()
         self.devices = jax.devices()
         self.backend = jax.default_backend()
-        self._meshes: dict[tuple[int, int, int], Any] = {}
+        self._meshes: dict[tuple, Any] = {}
         self.mesh = self.make_mesh(MeshSpec(tp=len(self.devices)))  # the default for placement without a model
         self._programs: dict[Hashable, CompiledProgram] = {}
         self._lock = threading.RLock()
@@ -141,20 +141,23 @@ class Runtime:
         )
 
     # --- devices and placement -------------------------------------------------------------------------------
-    def make_mesh(self, spec: "MeshSpec"):
-        """The ``jax.sharding.Mesh`` with axes (dp, sp, tp) of ``spec``'s sizes over all devices (cached)."""
+    def make_mesh(self, spec: "MeshSpec", devices=None):
+        """The ``jax.sharding.Mesh`` with axes (dp, sp, tp) of ``spec``'s sizes over ``devices`` (default: this
+        process's devices; a TPU topology's abstract devices make a mesh to compile for but not run on)."""
         from jax.sharding import Mesh
 
         from .errors import InputError
 
-        if spec.devices != len(self.devices):
+        devices = list(self.devices if devices is None else devices)
+        if spec.devices != len(devices):
             raise InputError(
-                f"mesh {spec} uses {spec.devices} devices but {len(self.devices)} are available: choose sizes "
-                f"whose product is {len(self.devices)}"
+                f"mesh {spec} uses {spec.devices} devices but {len(devices)} are available: choose sizes "
+                f"whose product is {len(devices)}"
             )
-        if spec.sizes not in self._meshes:
-            self._meshes[spec.sizes] = Mesh(np.asarray(self.devices).reshape(spec.sizes), MESH_AXES)
-        return self._meshes[spec.sizes]
+        key = (spec.sizes, tuple(id(d) for d in devices))
+        if key not in self._meshes:
+            self._meshes[key] = Mesh(np.asarray(devices).reshape(spec.sizes), MESH_AXES)
+        return self._meshes[key]
 
     @staticmethod
     def sharding(mesh, spec: tuple = ()):
@@ -197,23 +200,40 @@ class Runtime:
         return jax.tree_util.tree_map(to_torch, value)
 
     # --- torch modules as jax functions -----------------------------------------------------------------------
+    @staticmethod
+    def _named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+        # Every name, tied weights included (T5's embeddings).
+        named = list(module.named_parameters(remove_duplicate=False))
+        return named + list(module.named_buffers(remove_duplicate=False))
+
     def module_state(self, module: torch.nn.Module, mesh=None, rules=(), fsdp: bool = False) -> dict[str, Any]:
         """The module's parameters and buffers on the devices, each placed by the first matching sharding rule
         (regex on the name -> PartitionSpec), replicated when none matches."""
         from .sharding import partition_specs
 
         mesh = mesh or self.mesh
-        # Every name, tied weights included (T5's embeddings), each distinct tensor moved once.
-        named = list(module.named_parameters(remove_duplicate=False))
-        named += list(module.named_buffers(remove_duplicate=False))
+        named = self._named_tensors(module)
         specs = partition_specs({n: tuple(t.shape) for n, t in named}, rules, dict(mesh.shape), fsdp)
-        moved: dict[int, Any] = {}
+        moved: dict[int, Any] = {}  # each distinct tensor moved once
         state = {}
         for name, tensor in named:
             if id(tensor) not in moved:
                 moved[id(tensor)] = self.put(tensor.detach(), self.sharding(mesh, specs[name]))
             state[name] = moved[id(tensor)]
         return state
+
+    def abstract_state(self, module: torch.nn.Module, mesh, rules=(), fsdp: bool = False) -> dict[str, Any]:
+        """What ``module_state`` would place, as ``jax.ShapeDtypeStruct``s with the same shardings, for a module
+        whose tensors may be on ``meta``: compiling against it needs no weights and no devices to run on."""
+        import jax
+
+        from .sharding import partition_specs
+
+        named = self._named_tensors(module)
+        specs = partition_specs({n: tuple(t.shape) for n, t in named}, rules, dict(mesh.shape), fsdp)
+        return {name: jax.ShapeDtypeStruct(tuple(t.shape), jax_dtype_of(t.dtype),
+                                           sharding=self.sharding(mesh, specs[name]))
+                for name, t in named}
 
     def module_function(self, module: torch.nn.Module, method: str = "forward") -> Callable:
         """``fn(state, *args, **kwargs)`` over jax values that runs ``module.<method>`` through torchax.
@@ -272,6 +292,16 @@ class Runtime:
     def clear_programs(self) -> None:
         with self._lock:
             self._programs.clear()
+
+
+def jax_dtype_of(dtype: torch.dtype):
+    """The dtype a tensor of torch ``dtype`` has once ``put`` on the devices (64-bit narrowed as JAX does)."""
+    import jax.numpy as jnp
+
+    narrowed = {torch.float64: torch.float32, torch.int64: torch.int32}.get(dtype, dtype)
+    if narrowed == torch.bfloat16:
+        return jnp.bfloat16
+    return jnp.dtype(torch.empty((), dtype=narrowed).numpy().dtype)
 
 
 def host_array(t: torch.Tensor) -> np.ndarray:

@@ -22,6 +22,7 @@ Models come from a diffusers folder (``model_index.json``) or from ComfyUI's sin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -35,6 +36,7 @@ from .attention import AttentionConfig, attention_scope
 from .errors import InputError, ModelFolderError
 from .family import (
     ModelFamily,
+    StageProgram,
     forwards_replaced,
     SampleSettings,
     TextEmbeddings,
@@ -80,8 +82,9 @@ class WanFiles:
 
 
 # --- recognising what the user has ---------------------------------------------------------------------------
-def inspect_wan_folder(path: Path) -> dict:
-    """Check that ``path`` is a complete diffusers Wan text-to-video folder; return its model_index."""
+def inspect_wan_folder(path: Path, weights: bool = True) -> dict:
+    """Check that ``path`` is a complete diffusers Wan text-to-video folder; return its model_index.
+    ``weights=False``: only the configs are needed (planning compiles with the weights' shapes alone)."""
     folder = Path(path).expanduser()
     if not folder.exists():
         raise ModelFolderError(f"model folder {folder} does not exist: pass the folder that holds model_index.json "
@@ -98,7 +101,8 @@ def inspect_wan_folder(path: Path) -> dict:
         raise ModelFolderError(f"{folder} holds a {cls} model; only text-to-video WanPipeline models are supported "
                                "so far: use Wan2.1-T2V-1.3B/14B, Wan2.2-T2V-A14B or Wan2.2-TI2V-5B")
     missing = []
-    wanted = list(COMPONENTS) + (["transformer_2"] if _present(index.get("transformer_2")) else [])
+    wanted = [c for c in COMPONENTS if weights or c != "tokenizer"]
+    wanted += ["transformer_2"] if _present(index.get("transformer_2")) else []
     for name in wanted:
         sub = folder / name
         if not sub.is_dir():
@@ -106,7 +110,7 @@ def inspect_wan_folder(path: Path) -> dict:
         elif name in ("text_encoder", "transformer", "transformer_2", "vae"):
             if not (sub / "config.json").is_file():
                 missing.append(f"{name}/config.json")
-            if not any(p.name.endswith(".safetensors") for p in sub.iterdir()):
+            if weights and not any(p.name.endswith(".safetensors") for p in sub.iterdir()):
                 missing.append(f"{name}/*.safetensors (no weights)")
         elif name == "scheduler" and not (sub / "scheduler_config.json").is_file():
             missing.append("scheduler/scheduler_config.json")
@@ -149,7 +153,7 @@ class WanFamily(ModelFamily):
     def __init__(self, path: str | Path | None = None, *, files: WanFiles | None = None, dtype: str = "auto",
                  runtime: Runtime | None = None, mesh: "str | dict | MeshSpec | None" = None,
                  attention: "AttentionConfig | str | None" = None, fsdp: bool = False,
-                 vae_sharding: str = "replicated"):
+                 vae_sharding: str = "replicated", target_devices=None):
         if (path is None) == (files is None):
             raise InputError("give either a Wan diffusers folder or the single files (transformer, text encoder, "
                              "VAE), not both")
@@ -157,7 +161,7 @@ class WanFamily(ModelFamily):
         self.path = Path(path).expanduser() if path is not None else None
         self._names: dict[str, dict[str, str]] = {}  # single files: file key -> module name, per component
         if self.path is not None:
-            self.index = inspect_wan_folder(self.path)
+            self.index = inspect_wan_folder(self.path, weights=target_devices is None)
             self.transformer_config = _read_config(self.path / "transformer")
             self.vae_config = _read_config(self.path / "vae")
             self.text_config = _read_config(self.path / "text_encoder")
@@ -181,7 +185,7 @@ class WanFamily(ModelFamily):
         self.vae_scale_temporal = int(self.vae_config.get("scale_factor_temporal", 4))
         self.size_multiple = self.vae_scale_spatial * int(self.transformer_config["patch_size"][1])
         self._setup(dtype, runtime, mesh, attention, fsdp, heads=self.transformer_config["num_attention_heads"],
-                    vae_sharding=vae_sharding)
+                    vae_sharding=vae_sharding, target_devices=target_devices)
 
     def _inspect_files(self, files: WanFiles) -> None:
         from .wan_files import transformer_names, umt5_names, vae_names
@@ -212,6 +216,43 @@ class WanFamily(ModelFamily):
         self.expand_timesteps = generation == "2.2-TI2V-5B"
 
     # --- loading ---------------------------------------------------------------------------------------------
+    def _builder(self, name: str):
+        """How component ``name`` is built (on ``meta``), its config, the modules kept float32 and the file keys
+        to ignore."""
+        if name in ("transformer", "transformer_2"):
+            from diffusers import WanTransformer3DModel
+
+            config = self.transformer_config if name == "transformer" else self.transformer_2_config
+            return (lambda: WanTransformer3DModel(**_init_kwargs(WanTransformer3DModel, config)), config,  # noqa: E731
+                    _KEEP_FP32, (r"norm_added_q",))
+        if name == "vae":
+            from diffusers import AutoencoderKLWan
+
+            return (lambda: AutoencoderKLWan(**_init_kwargs(AutoencoderKLWan, self.vae_config)),  # noqa: E731
+                    self.vae_config, (), ())
+        if name == "text_encoder":
+            from transformers import UMT5Config, UMT5EncoderModel
+
+            return (lambda: UMT5EncoderModel(UMT5Config(**_init_kwargs(None, self.text_config))),  # noqa: E731
+                    self.text_config, (), ())
+        raise KeyError(name)
+
+    def _finish(self, name: str, part: torch.nn.Module, config: dict) -> torch.nn.Module:
+        if name in ("transformer", "transformer_2"):
+            from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+
+            # RoPE tables are buffers computed at construction, not stored: build them for real.
+            part.rope = WanRotaryPosEmbed(config["attention_head_dim"], tuple(config["patch_size"]),
+                                          config.get("rope_max_seq_len", 1024))
+            part.set_attn_processor(WanFunctionalAttnProcessor())
+        return part
+
+    def _abstract_component(self, name: str) -> torch.nn.Module:
+        from .weights import cast_meta_module
+
+        build, config, keep, _ = self._builder(name)
+        return self._finish(name, cast_meta_module(build, self.dtype, keep), config)
+
     def _load_component(self, name: str):
         from .weights import TensorSource, load_into_meta_module, meta_tensors, safetensors_files
 
@@ -223,27 +264,7 @@ class WanFamily(ModelFamily):
             from .wan_files import SentencePieceTokenizer
 
             return SentencePieceTokenizer.from_file(self.files.text_encoder)
-        if name in ("transformer", "transformer_2"):
-            from diffusers import WanTransformer3DModel
-            from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
-
-            config = self.transformer_config if name == "transformer" else self.transformer_2_config
-            build = lambda: WanTransformer3DModel(**_init_kwargs(WanTransformer3DModel, config))  # noqa: E731
-            keep, ignore = _KEEP_FP32, (r"norm_added_q",)
-        elif name == "vae":
-            from diffusers import AutoencoderKLWan
-
-            config = self.vae_config
-            build = lambda: AutoencoderKLWan(**_init_kwargs(AutoencoderKLWan, config))  # noqa: E731
-            keep, ignore = (), ()
-        elif name == "text_encoder":
-            from transformers import UMT5Config, UMT5EncoderModel
-
-            config = self.text_config
-            build = lambda: UMT5EncoderModel(UMT5Config(**_init_kwargs(None, config)))  # noqa: E731
-            keep, ignore = (), ()
-        else:
-            raise KeyError(name)
+        build, config, keep, ignore = self._builder(name)
         if self.path is not None:
             source = TensorSource(safetensors_files(self.path / name))
             names = {k: k for k in source.keys()}
@@ -255,11 +276,7 @@ class WanFamily(ModelFamily):
         ties = {"encoder.embed_tokens.weight": "shared.weight"} if name == "text_encoder" else None
         part = load_into_meta_module(build, source, names, self.dtype, f"Wan {name} ({where})", keep_fp32=keep,
                                      ties=ties, ignore=ignore)
-        if name in ("transformer", "transformer_2"):
-            # RoPE tables are buffers computed at construction, not stored: build them for real.
-            part.rope = WanRotaryPosEmbed(config["attention_head_dim"], tuple(config["patch_size"]),
-                                          config.get("rope_max_seq_len", 1024))
-            part.set_attn_processor(WanFunctionalAttnProcessor())
+        part = self._finish(name, part, config)
         left = meta_tensors(part)
         if left:
             raise ModelFolderError(f"Wan {name} ({where}) left {len(left)} tensor(s) unset (e.g. {left[:3]})")
@@ -356,9 +373,20 @@ class WanFamily(ModelFamily):
             raise InputError("prompt is empty: describe the video you want")
         negative_prompt = negative_prompt or ""
         ids, mask = self.tokenize([negative_prompt, prompt])
+        program = self.encode_program()
+        executable = self.compile_stage(program)
+        ids_dev, mask_dev = self.put(ids.to(torch.int32)), self.put(mask.to(torch.int32))
+        start = time.perf_counter()
+        embeds = self.runtime.to_cpu(executable(program.example[0], ids_dev, mask_dev))
+        self._record_run("encode", start)
+        return TextEmbeddings(embeds[1:2], embeds[0:1], prompt, negative_prompt, self.signature)
+
+    def encode_program(self) -> StageProgram:
+        """umT5 over ``[negative, positive]`` with the attention mask; rows past each prompt set to zeros."""
+        import jax.numpy as jnp
+
         self._component("text_encoder")
         encoder_fn = self.runtime.module_function(self._parts["text_encoder"])
-        state = self._states["text_encoder"]
         dtype = jax_dtype(self.dtype)
 
         def encode_fn(state, ids, mask):
@@ -366,13 +394,10 @@ class WanFamily(ModelFamily):
             # Rows from the real length on become exact zeros (diffusers cuts each row at its length and pads).
             return jnp.where(mask[..., None] > 0, hidden, 0).astype(dtype)
 
-        ids_dev, mask_dev = self.put(ids.to(torch.int32)), self.put(mask.to(torch.int32))
-        program = self._compile("encode", encode_fn, tuple(ids.shape), state, ids_dev, mask_dev,
-                                describe=f"umT5 text encoder for {ids.shape[1]} tokens")
-        start = time.perf_counter()
-        embeds = self.runtime.to_cpu(program(state, ids_dev, mask_dev))
-        self._record_run("encode", start)
-        return TextEmbeddings(embeds[1:2], embeds[0:1], prompt, negative_prompt, self.signature)
+        shape = (2, TEXT_LEN)
+        example = (self._states["text_encoder"], self.arg(shape, torch.int32), self.arg(shape, torch.int32))
+        return StageProgram("encode", encode_fn, example, shape, f"umT5 text encoder for {TEXT_LEN} tokens",
+                            self.traced, ("text_encoder",))
 
     # --- stage 2: sampling -------------------------------------------------------------------------------------
     def latent_shape(self, height: int, width: int, num_frames: int) -> tuple[int, ...]:
@@ -384,8 +409,6 @@ class WanFamily(ModelFamily):
                on_step: Callable[[int, int], None] | None = None,
                should_stop: Callable[[], bool] | None = None) -> VideoLatents:
         """Denoise from seeded noise; ``on_step(i, total)`` after each step, ``should_stop()`` before each."""
-        import jax
-        import jax.numpy as jnp
         from diffusers.utils.torch_utils import randn_tensor
 
         s = settings
@@ -404,14 +427,47 @@ class WanFamily(ModelFamily):
             ratio = self.boundary_ratio if s.boundary is None else float(s.boundary)
             boundary = ratio * scheduler.config.num_train_timesteps
 
+        program = self.sample_program(s.height, s.width, s.num_frames, cfg, plan)
+        for name in program.components:  # both experts on the devices before the first step
+            self._component(name)
+        executable = self.compile_stage(program)
+
         # The only random draw of text-to-video: the initial latents, float32, on the CPU generator.
         generator = torch.Generator("cpu").manual_seed(int(s.seed))
         shape = self.latent_shape(s.height, s.width, s.num_frames)
         latents = randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=torch.float32)
+        embeds = torch.cat([embeddings.negative_prompt_embeds, embeddings.prompt_embeds]) if cfg \
+            else embeddings.prompt_embeds
+        embeds_dev = self.put(embeds.to(self.dtype), ("dp",))
+        x_dev = self.put(latents)
+        kept_dev = tuple(self.put(torch.zeros(shape, dtype=torch.float32)) for _ in range(plan.kept))
+        carry = {"x": x_dev, "kept": kept_dev}
 
-        experts = ["transformer"] + (["transformer_2"] if self.two_experts else [])
-        for name in experts:
-            self._component(name)
+        def step(i):
+            t = float(plan.timesteps[i])
+            second = boundary is not None and t < boundary
+            state = self._states["transformer_2" if second else "transformer"]
+            g = guidance_2 if second else guidance
+            carry["x"], carry["kept"] = executable(
+                state, carry["x"], carry["kept"], embeds_dev, self.put(torch.tensor([t], dtype=torch.float32)),
+                self.put(torch.from_numpy(plan.matrices[i])), self.put(torch.tensor([g], dtype=torch.float32)))
+            return carry["x"]
+
+        self.run_steps(plan.steps, step, on_step, should_stop)
+        start = time.perf_counter()
+        result = self.runtime.to_cpu(carry["x"]).float().contiguous()
+        self._record_run("sample", start)
+        return VideoLatents(result, s.height, s.width, s.num_frames, self.signature)
+
+    def sample_program(self, height: int, width: int, num_frames: int, cfg: bool, plan) -> StageProgram:
+        """One denoising step for the scheduler ``plan`` (a ``LinearStepPlan``): CFG batch, transformer, guidance
+        and the update as a small coefficient matrix. Wan 2.2's experts share it: same architecture and shapes,
+        only the weights passed differ."""
+        import jax
+        import jax.numpy as jnp
+
+        shape = self.latent_shape(height, width, num_frames)
+        self._component("transformer")
         transformer_fn = self.runtime.module_function(self._parts["transformer"])
         model_dtype = jax_dtype(self.dtype)
         batch_sharding = self.runtime.sharding(self.mesh, ("dp",))
@@ -435,37 +491,16 @@ class WanFamily(ModelFamily):
             return (jax.lax.with_sharding_constraint(rows[0], replicated),
                     tuple(jax.lax.with_sharding_constraint(r, replicated) for r in rows[1:]))
 
-        embeds = torch.cat([embeddings.negative_prompt_embeds, embeddings.prompt_embeds]) if cfg \
-            else embeddings.prompt_embeds
-        embeds_dev = self.put(embeds.to(self.dtype), ("dp",))
-        x_dev = self.put(latents)
-        kept_dev = tuple(self.put(torch.zeros(shape, dtype=torch.float32)) for _ in range(kept))
-        example = (self._states["transformer"], x_dev, kept_dev, embeds_dev, self.put(torch.zeros(1)),
-                   self.put(torch.zeros(plan.matrices[0].shape)), self.put(torch.zeros(1)))
-        key = (shape, tuple(embeds.shape), cfg, kept, round_result, self.attention)
-        with attention_scope(self.attention, self.mesh):
-            # Both experts share this program: same architecture, same shapes; only the weights passed differ.
-            program = self._compile("sample", step_fn, key, *example,
-                                    describe=f"Wan sampler step for {s.num_frames}x{s.height}x{s.width} "
-                                    f"({'CFG batch 2' if cfg else 'no CFG'}, mesh {self.mesh_spec}, "
-                                    f"{self.attention.impl} attention)")
-        carry = {"x": x_dev, "kept": kept_dev}
-
-        def step(i):
-            t = float(plan.timesteps[i])
-            second = boundary is not None and t < boundary
-            state = self._states["transformer_2" if second else "transformer"]
-            g = guidance_2 if second else guidance
-            carry["x"], carry["kept"] = program(
-                state, carry["x"], carry["kept"], embeds_dev, self.put(torch.tensor([t], dtype=torch.float32)),
-                self.put(torch.from_numpy(plan.matrices[i])), self.put(torch.tensor([g], dtype=torch.float32)))
-            return carry["x"]
-
-        self.run_steps(plan.steps, step, on_step, should_stop)
-        start = time.perf_counter()
-        result = self.runtime.to_cpu(carry["x"]).float().contiguous()
-        self._record_run("sample", start)
-        return VideoLatents(result, s.height, s.width, s.num_frames, self.signature)
+        embeds_shape = (2 if cfg else 1, TEXT_LEN, int(self.transformer_config["text_dim"]))
+        arg, f32 = self.arg, torch.float32
+        example = (self._states["transformer"], arg(shape, f32), tuple(arg(shape, f32) for _ in range(kept)),
+                   arg(embeds_shape, self.dtype, ("dp",)), arg((1,), f32), arg(plan.matrices[0].shape, f32),
+                   arg((1,), f32))
+        key = (shape, embeds_shape, cfg, kept, round_result, self.attention)
+        return StageProgram("sample", step_fn, example, key,
+                            f"Wan sampler step for {num_frames}x{height}x{width} ({'CFG batch 2' if cfg else 'no CFG'}"
+                            f", mesh {self.mesh_spec}, {self.attention.impl} attention)", self.traced,
+                            tuple(["transformer"] + (["transformer_2"] if self.two_experts else [])))
 
     # --- stage 3: decode ---------------------------------------------------------------------------------------
     def decode(self, latents: VideoLatents, tiling: bool = False, group_norm: str = "stock") -> torch.Tensor:
@@ -485,11 +520,29 @@ class WanFamily(ModelFamily):
         if z.ndim != 5 or z.shape[0] != 1 or z.shape[1] != channels:
             raise StageFileError(f"latents have shape {tuple(z.shape)}; this model's VAE decodes "
                                  f"[1, {channels}, T, H/{self.vae_scale_spatial}, W/{self.vae_scale_spatial}]")
-        vae = self._component("vae")
-        decode_fn = self.runtime.module_function(vae, "decode")
-        state = self._states["vae"]
+        program = self.decode_program(tuple(z.shape))
+        executable = self.compile_stage(program)
+        z_dev = self.put(z.float(), self._vae_input_spec(z.shape))
+        mean, std_inv = self._latent_statistics()
+        start = time.perf_counter()
+        frames = self.runtime.to_cpu(executable(program.example[0], z_dev, self.put(mean), self.put(std_inv)))
+        self._record_run("decode", start)
+        return frames
+
+    def _latent_statistics(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The VAE's per-channel latent mean and 1/std, shaped to broadcast over [1, C, T, H, W]."""
+        channels = int(self.vae_config["z_dim"])
         mean = torch.tensor(self.vae_config["latents_mean"], dtype=torch.float32).view(1, channels, 1, 1, 1)
         std_inv = 1.0 / torch.tensor(self.vae_config["latents_std"], dtype=torch.float32).view(1, channels, 1, 1, 1)
+        return mean, std_inv
+
+    def decode_program(self, z_shape: tuple[int, ...]) -> StageProgram:
+        """De-normalise latents ``[1, C, T, h, w]`` and decode them, one latent frame at a time as diffusers does,
+        to frames ``[F, H, W, 3]`` in 0..1."""
+        import jax.numpy as jnp
+
+        vae = self._component("vae")
+        decode_fn = self.runtime.module_function(vae, "decode")
         dtype = jax_dtype(self.dtype)
 
         def frames_fn(state, z, mean, std_inv):
@@ -498,17 +551,19 @@ class WanFamily(ModelFamily):
             video = jnp.clip(video.astype(jnp.float32) * 0.5 + 0.5, 0.0, 1.0)
             return jnp.transpose(video[0], (1, 2, 3, 0))
 
-        z_dev = self.put(z.float(), self._vae_input_spec(z.shape))
-        mean_dev, std_dev = self.put(mean), self.put(std_inv)
-        key = (tuple(z.shape), self.vae_sharding)
-        with _wan_vae_for_xla(vae):
-            program = self._compile("decode", frames_fn, key, state, z_dev, mean_dev, std_dev,
-                                    describe=f"Wan VAE decode for {latents.num_frames}x{latents.height}x"
-                                    f"{latents.width}")
-        start = time.perf_counter()
-        frames = self.runtime.to_cpu(program(state, z_dev, mean_dev, std_dev))
-        self._record_run("decode", start)
-        return frames
+        @contextlib.contextmanager
+        def scope():
+            with self.traced(), _wan_vae_for_xla(vae):
+                yield
+
+        stats = (1, z_shape[1], 1, 1, 1)
+        f32 = torch.float32
+        example = (self._states["vae"], self.arg(z_shape, f32, self._vae_input_spec(z_shape)), self.arg(stats, f32),
+                   self.arg(stats, f32))
+        frames = (z_shape[2] - 1) * self.vae_scale_temporal + 1
+        height, width = z_shape[3] * self.vae_scale_spatial, z_shape[4] * self.vae_scale_spatial
+        return StageProgram("decode", frames_fn, example, (tuple(z_shape), self.vae_sharding),
+                            f"Wan VAE decode for {frames}x{height}x{width}", scope, ("vae",))
 
 
 def _wan_vae_for_xla(vae: torch.nn.Module):

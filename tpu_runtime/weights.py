@@ -160,6 +160,25 @@ def load_into_meta_module(build: Callable[[], torch.nn.Module], source: TensorSo
     return module.eval()
 
 
+def cast_meta_module(build: Callable[[], torch.nn.Module], dtype: torch.dtype,
+                     keep_fp32: Iterable[str] = ()) -> torch.nn.Module:
+    """The module ``load_into_meta_module`` would give, without its tensors: built on ``meta``, every floating
+    parameter and buffer in ``dtype`` except those under ``keep_fp32`` (planning needs only shapes and dtypes)."""
+    with torch.device("meta"):
+        module = build()
+    for prefix, owner in module.named_modules():
+        for table in (owner._parameters, owner._buffers):
+            for name, tensor in table.items():
+                if tensor is None or not tensor.is_floating_point():
+                    continue
+                want = torch.float32 if _keep_fp32(f"{prefix}.{name}".lstrip("."), keep_fp32) else dtype
+                if tensor.dtype != want:
+                    cast = tensor.detach().to(want)
+                    table[name] = torch.nn.Parameter(cast, requires_grad=False) \
+                        if isinstance(tensor, torch.nn.Parameter) else cast
+    return module.eval()
+
+
 def meta_tensors(module: torch.nn.Module) -> list[str]:
     """Names of parameters and buffers still on ``meta`` (left unset by a load)."""
     named = list(module.named_parameters()) + list(module.named_buffers())
