@@ -1,4 +1,4 @@
-"""``python -m tpu_runtime generate|demo|bench``: the staged pipeline from the command line.
+"""``python -m tpu_runtime generate|demo|bench|plan``: the staged pipeline from the command line.
 
 generate  runs encode → sample → decode (or one of them, from the files of the stage before) and writes
           generation_config.json, stage1_embeddings.safetensors, stage2_latents.safetensors, frames.safetensors
@@ -6,6 +6,8 @@ generate  runs encode → sample → decode (or one of them, from the files of t
           loads from ComfyUI's single files (--transformer [--transformer-2] --text-encoder --vae).
 demo      builds a tiny random-weight CogVideoX or Wan model on the spot and runs generate on it.
 bench     times every stage and counts compiles against diffusers eager on the same weights (see bench.py).
+plan      compiles every stage for a TPU slice this machine does not have and reports per-chip memory, collectives,
+          compile time and whether it fits (see plan.py).
 """
 
 from __future__ import annotations
@@ -95,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     from . import bench
 
     bench.add_args(sub.add_parser("bench", help="time stages, count compiles, compare with diffusers eager"))
+    from . import plan
+
+    plan.add_args(sub.add_parser("plan", help="compile every stage for a TPU slice (no TPU needed) and report "
+                                 "per-chip memory and whether it fits"))
     args = parser.parse_args(argv)
 
     verbose = getattr(args, "verbose", False)
@@ -108,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             return _demo(args)
         if args.command == "bench":
             return bench.main(args)
+        if args.command == "plan":
+            return plan.run(args)
         req = _request(args)
         config = generate(req)
         print_summary(config, req.stage)

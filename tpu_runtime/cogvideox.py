@@ -200,8 +200,9 @@ class CogVideoXFamily(ModelFamily):
             build = lambda: AutoencoderKLCogVideoX.from_config(self.vae_config)  # noqa: E731
         else:
             raise KeyError(name)
-        with torch.device("meta"):
-            part = build().to(self.dtype).eval()
+        from .weights import cast_meta_module
+
+        part = cast_meta_module(build, self.dtype)
         if name == "transformer":
             part.set_attn_processor(CogVideoXFunctionalAttnProcessor())
         return part
@@ -442,6 +443,17 @@ class CogVideoXFamily(ModelFamily):
                             f"sampler step for {num_frames}x{height}x{width} ({'CFG batch 2' if cfg else 'no CFG'},"
                             f" mesh {self.mesh_spec}, {self.attention.impl} attention)", self.traced,
                             ("transformer",))
+
+    def plan_programs(self, s: SampleSettings) -> list[StageProgram]:
+        """Every program one generation with settings ``s`` runs, for ``plan`` to compile."""
+        self.validate(s.height, s.width, s.num_frames)
+        self.validate_settings(s)
+        cfg = s.guidance > 1.0
+        self.check_cfg_mesh(cfg)
+        shape, pad = self.latent_shape(s.height, s.width, s.num_frames)
+        z_shape = (1, int(self.vae_config["latent_channels"]), shape[1] - pad, shape[3], shape[4])
+        return [self.encode_program(), self.sample_program(s.height, s.width, s.num_frames, cfg),
+                self.decode_program(z_shape)]
 
     # --- stage 3: decode ---------------------------------------------------------------------------------------
     def decode(self, latents: VideoLatents, tiling: bool = False, group_norm: str = "stock") -> torch.Tensor:

@@ -236,7 +236,11 @@ class ModelFamily:
             return self._parts[name]
         start = time.perf_counter()
         if self.abstract:
-            part = self._abstract_component(name).requires_grad_(False)
+            try:
+                part = self._abstract_component(name).requires_grad_(False)
+            except KeyError:
+                raise RuntimeError(f"{self.label} is planned for devices this process cannot run on: it has no "
+                                   f"{name} to use; compile its stage programs with plan") from None
             self._states[name] = self.runtime.abstract_state(part, self.mesh, self._rules_for(name), self.fsdp)
         else:
             part = self._load_component(name)

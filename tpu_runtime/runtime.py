@@ -231,9 +231,12 @@ class Runtime:
 
         named = self._named_tensors(module)
         specs = partition_specs({n: tuple(t.shape) for n, t in named}, rules, dict(mesh.shape), fsdp)
-        return {name: jax.ShapeDtypeStruct(tuple(t.shape), jax_dtype_of(t.dtype),
-                                           sharding=self.sharding(mesh, specs[name]))
-                for name, t in named}
+        structs: dict[int, Any] = {}  # tied weights share one struct, as they share one device array
+        for name, t in named:
+            if id(t) not in structs:
+                structs[id(t)] = jax.ShapeDtypeStruct(tuple(t.shape), jax_dtype_of(t.dtype),
+                                                      sharding=self.sharding(mesh, specs[name]))
+        return {name: structs[id(t)] for name, t in named}
 
     def module_function(self, module: torch.nn.Module, method: str = "forward") -> Callable:
         """``fn(state, *args, **kwargs)`` over jax values that runs ``module.<method>`` through torchax.
@@ -260,8 +263,6 @@ class Runtime:
         The key must name everything that changes the program: family, stage, static options, shapes, dtypes,
         mesh, attention settings. Shardings come from the example arguments.
         """
-        import jax
-
         full_key = key
         with self._lock:
             program = self._programs.get(full_key)
@@ -269,13 +270,7 @@ class Runtime:
                 return program.executable
             log.info("compiling %s (first run with this shape only; later runs reuse it)", describe or key)
             start = time.perf_counter()
-            jitted = jax.jit(fn, static_argnames=tuple(static) if static else ())
-            # ComfyUI runs nodes under torch.inference_mode(), which skips the autograd dispatch key where torch
-            # decomposes composite ops (aten::dropout, ...) that torchax has no lowering for. Trace in plain
-            # no-grad mode instead: same numbers, every op decomposed as torchax expects.
-            with torch.inference_mode(False), torch.no_grad():
-                lowered = jitted.lower(*example_args, **(static or {}))
-            executable = lowered.compile()
+            executable = lower(fn, *example_args, static=static).compile()
             seconds = time.perf_counter() - start
             program = CompiledProgram(executable, seconds, _memory_analysis(executable))
             self._programs[full_key] = program
@@ -292,6 +287,19 @@ class Runtime:
     def clear_programs(self) -> None:
         with self._lock:
             self._programs.clear()
+
+
+def lower(fn: Callable, *example_args, static: dict | None = None):
+    """``fn`` traced (through torchax where it calls torch) and lowered for the shardings of ``example_args``:
+    arrays or ``jax.ShapeDtypeStruct``s, on this process's devices or a topology's it cannot run on."""
+    import jax
+
+    jitted = jax.jit(fn, static_argnames=tuple(static) if static else ())
+    # ComfyUI runs nodes under torch.inference_mode(), which skips the autograd dispatch key where torch
+    # decomposes composite ops (aten::dropout, ...) that torchax has no lowering for. Trace in plain no-grad
+    # mode instead: same numbers, every op decomposed as torchax expects.
+    with torch.inference_mode(False), torch.no_grad():
+        return jitted.lower(*example_args, **(static or {}))
 
 
 def jax_dtype_of(dtype: torch.dtype):

@@ -502,6 +502,17 @@ class WanFamily(ModelFamily):
                             f", mesh {self.mesh_spec}, {self.attention.impl} attention)", self.traced,
                             tuple(["transformer"] + (["transformer_2"] if self.two_experts else [])))
 
+    def plan_programs(self, s: SampleSettings) -> list[StageProgram]:
+        """Every program one generation with settings ``s`` runs, for ``plan`` to compile."""
+        self.validate(s.height, s.width, s.num_frames)
+        self.validate_settings(s)
+        self.check_steps(s.steps)
+        cfg = (DEFAULT_GUIDANCE if s.guidance is None else float(s.guidance)) > 1.0
+        self.check_cfg_mesh(cfg)
+        plan = linear_plan(self.scheduler(s.scheduler, s.shift), s.steps)
+        return [self.encode_program(), self.sample_program(s.height, s.width, s.num_frames, cfg, plan),
+                self.decode_program(self.latent_shape(s.height, s.width, s.num_frames))]
+
     # --- stage 3: decode ---------------------------------------------------------------------------------------
     def decode(self, latents: VideoLatents, tiling: bool = False, group_norm: str = "stock") -> torch.Tensor:
         """Frames ``[F, H, W, 3]`` float32 in 0..1 from stage-2 latents."""

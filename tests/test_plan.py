@@ -1,0 +1,213 @@
+"""`plan`: the real stage programs compiled for TPU slices this machine does not have (the TPU compiler that
+jax[tpu] installs, abstract devices of a topology), with the numbers users decide on: per-chip memory,
+collectives, Mosaic kernels, and whether it fits.
+
+The TPU path under test without a TPU: reduced-depth, full-width CogVideoX and Wan step programs and a
+full-width VAE decode compiled for v6e-8, checked for Mosaic kernels (splash really lowered for TPU, not
+interpret mode or the reference path), the expected collectives, no weight all-gathers without FSDP, and
+per-chip memory within a band computed from the parameter shapes and the mesh.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tpu_runtime.errors import InputError
+from tpu_runtime.plan import GIB, ModelSource, Topology, parse_topology, plan
+
+V6E_8 = "v6e-8"
+
+
+# --- topologies ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, kind, chips, layout, hosts", [
+    ("v6e-8", "v6e", 8, (2, 4), 1), ("v6e-4", "v6e", 4, (2, 2), 1), ("v5e-8", "v5e", 8, (2, 4), 1),
+    ("v5p-8", "v5p", 4, (2, 2, 1), 1), ("v6e-1", "v6e", 1, (1, 1), 1), ("v6e-16", "v6e", 16, (4, 4), 4),
+    ("v5litepod-4", "v5e", 4, (2, 2), 1), ("v6e:2x4", "v6e", 8, (2, 4), 1),
+])
+def test_slice_names_as_users_write_them(name, kind, chips, layout, hosts):
+    t = parse_topology(name)
+    assert (t.kind, t.chips, t.layout, t.hosts) == (kind, chips, layout, hosts)
+    devices = t.devices()
+    assert len(devices) == chips and devices[0].platform == "tpu"
+    assert len({d.process_index for d in devices}) == hosts
+
+
+def test_chip_memory_per_kind():
+    assert parse_topology("v5e-8").hbm_bytes == 16 * GIB
+    assert parse_topology("v6e-8").hbm_bytes == 32 * GIB
+    assert parse_topology("v5p-8").hbm_bytes == 95 * GIB
+
+
+@pytest.mark.parametrize("bad", ["v6e-7", "h100-8", "v5p-3", ""])
+def test_unknown_slice_is_refused_with_examples(bad):
+    with pytest.raises(InputError, match="v6e-8"):
+        parse_topology(bad)
+
+
+# --- the abstract model is the runtime's model -------------------------------------------------------------------
+@pytest.mark.parametrize("family_name, generation", [("cogvideox", "5b"), ("wan", "2.2-A14B"), ("wan", "2.1")])
+def test_abstract_weights_have_the_loaded_shapes_and_dtypes(tiny_models, tiny_wan, runtime, family_name,
+                                                            generation):
+    """What plan compiles against (built on meta, never read) has exactly the names, shapes and dtypes the
+    runtime places when it loads the weights, fp32-kept modules included."""
+    from tpu_runtime.cogvideox import CogVideoXFamily
+    from tpu_runtime.wan import WanFamily
+
+    cls, folder = (CogVideoXFamily, tiny_models[generation]) if family_name == "cogvideox" \
+        else (WanFamily, tiny_wan[generation])
+    loaded = cls(folder, dtype="bfloat16", runtime=runtime)
+    abstract = cls(folder, dtype="bfloat16", runtime=runtime, target_devices=parse_topology(V6E_8).devices())
+    assert abstract.abstract and not loaded.abstract
+    names = ["text_encoder", "transformer", "vae"] + (["transformer_2"] if generation == "2.2-A14B" else [])
+    for name in names:
+        loaded._component(name)
+        abstract._component(name)
+        real = {k: (tuple(v.shape), str(v.dtype)) for k, v in loaded._states[name].items()}
+        planned = {k: (tuple(v.shape), str(v.dtype)) for k, v in abstract._states[name].items()}
+        assert planned == real, name
+    loaded.release()
+
+
+def test_a_tpu_mesh_gets_splash_and_bfloat16(tiny_wan, runtime):
+    """The family follows the mesh's platform, not this process's CPU backend."""
+    from tpu_runtime.wan import WanFamily
+
+    family = WanFamily(tiny_wan["2.1"], runtime=runtime, target_devices=parse_topology(V6E_8).devices())
+    assert family.attention.impl == "splash" and family.dtype_name == "bfloat16"
+    assert str(family.mesh_spec) == "dp=2,sp=2,tp=2"  # 2 heads in the tiny model: tp=2, the rest on sp
+    with pytest.raises(RuntimeError, match="plan"):
+        family.encode("a cat")
+
+
+# --- the TPU path, compiled for v6e-8 ----------------------------------------------------------------------------
+def _param_bytes_per_chip(family, name: str) -> int:
+    """Bytes per chip of a component from its parameter shapes and the mesh: split tensors divided by the sizes
+    of the axes their spec names, the rest whole."""
+    mesh = dict(family.mesh.shape)
+    total = 0
+    for struct in {id(s): s for s in family._states[name].values()}.values():
+        spec = struct.sharding.spec
+        split = int(np.prod([mesh[a] for a in spec if a is not None], dtype=np.int64)) if spec else 1
+        total += int(np.prod(struct.shape, dtype=np.int64)) * struct.dtype.itemsize // split
+    return total
+
+
+@pytest.mark.parametrize("model, layers, size, kernels_per_layer", [
+    ("cogvideox-5b", 2, (480, 720, 49), 1),  # joint text+video attention: one splash call per block
+    ("wan2.1-t2v-14b", 1, (480, 832, 81), 2),  # self-attention and cross-attention per block
+], ids=["cogvideox-5b", "wan2.1-14b"])
+def test_step_program_compiles_for_v6e8_with_splash_and_tensor_parallel_collectives(model, layers, size,
+                                                                                     kernels_per_layer):
+    height, width, frames = size
+    report = plan(ModelSource(model), V6E_8, height=height, width=width, frames=frames, mesh="dp=2,sp=1,tp=4",
+                  stages=("sample",), layers=layers)
+    sample = report.stages["sample"]
+    assert sample.compiled, sample.error
+    # Splash lowered as TPU (Mosaic) kernels: interpret mode or the reference path would have none.
+    assert sample.mosaic_kernels == kernels_per_layer * layers
+    # Megatron tensor parallelism: an all-reduce after attention and after the feed-forward of every block; the
+    # weights are already where they are used, so nothing is gathered.
+    assert sample.all_reduces >= 2 * layers
+    assert sample.all_gathers == 0
+    # Per-chip memory: the weights the compiler counts equal the band computed from shapes and the mesh.
+    from tpu_runtime.plan import open_abstract
+
+    family = open_abstract(ModelSource(model), parse_topology(V6E_8).devices(), _tmp(), mesh="dp=2,sp=1,tp=4",
+                           layers=layers)
+    family._component("transformer")
+    expected = _param_bytes_per_chip(family, "transformer")
+    assert sample.weights_bytes_per_chip == expected
+    assert expected <= sample.argument_bytes_per_chip <= expected * 1.25 + 64 * 2 ** 20
+    assert 0 < sample.temp_bytes_per_chip < parse_topology(V6E_8).hbm_bytes
+    assert report.fits
+
+
+def _tmp():
+    import tempfile
+    from pathlib import Path
+
+    return Path(tempfile.mkdtemp())
+
+
+def test_fsdp_gathers_weights_before_use():
+    """The collectives check above can fail: with FSDP the weights are split over dp and gathered."""
+    report = plan(ModelSource("cogvideox-5b"), V6E_8, height=480, width=720, frames=49, mesh="dp=2,sp=1,tp=4",
+                  fsdp=True, stages=("sample",), layers=1)
+    assert report.stages["sample"].compiled and report.stages["sample"].all_gathers > 0
+
+
+def test_vae_decode_compiles_for_v6e8_full_width():
+    """The real Wan 2.1 VAE (every channel width), its decode split over the frame width of 8 chips; a small
+    frame keeps the compile to a few minutes here."""
+    report = plan(ModelSource("wan2.1-t2v-1.3b"), V6E_8, height=128, width=128, frames=5, mesh="dp=2,sp=1,tp=4",
+                  stages=("decode",), vae_sharding="width")
+    decode = report.stages["decode"]
+    assert decode.compiled, decode.error
+    assert decode.mosaic_kernels >= 1  # the mid-block attention runs as a splash kernel on TPU
+    # The Wan 2.1 VAE (about 127M parameters, replicated) at bfloat16.
+    assert 0.2 * GIB < decode.weights_bytes_per_chip < 0.3 * GIB
+    assert decode.total_bytes_per_chip < parse_topology(V6E_8).hbm_bytes
+
+
+# --- verdicts ----------------------------------------------------------------------------------------------------
+def test_a_14b_model_on_one_16gb_chip_does_not_fit_and_a_larger_slice_is_suggested():
+    report = plan(ModelSource("wan2.1-t2v-14b"), "v5e-1", stages=("sample",))
+    assert not report.fits
+    assert "weights alone" in report.stages["sample"].error
+    assert report.stages["sample"].weights_bytes_per_chip > 26 * GIB  # 14B parameters in bfloat16
+    larger = [s for s in report.suggestions if s.startswith("a larger slice")]
+    assert larger and "v5e-4" in larger[0], report.suggestions
+
+
+def test_bad_input_is_refused_before_compiling():
+    with pytest.raises(InputError, match="4\\*N\\+1"):
+        plan(ModelSource("wan2.1-t2v-1.3b"), V6E_8, frames=80)
+    with pytest.raises(InputError, match="tp=8 does not divide the model's 12 attention heads"):
+        plan(ModelSource("wan2.1-t2v-1.3b"), V6E_8, mesh="dp=1,sp=1,tp=8")
+    with pytest.raises(InputError, match="known model"):
+        plan(ModelSource("wan9-huge"), V6E_8)
+    with pytest.raises(InputError, match="stages"):
+        plan(ModelSource("wan2.1-t2v-1.3b"), V6E_8, stages=("render",))
+
+
+def test_cli_plans_a_folder_tries_meshes_and_writes_json(tiny_wan, tmp_path, capsys):
+    """A diffusers folder, every stage, no --mesh: candidate meshes compiled, the smallest fit chosen."""
+    from tpu_runtime.cli import main
+
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--model", str(tiny_wan["2.1"]), "--topology", "v6e-4", "--height", "64", "--width", "64",
+                 "--frames", "9", "--steps", "4", "--stages", "encode,sample", "--candidates", "2",
+                 "--json", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "verdict: FITS" in text and "meshes tried" in text
+    data = json.loads(out.read_text())
+    for key in ("topology", "chips", "chip_hbm_bytes", "mesh", "fits", "stages"):
+        assert key in data
+    assert set(data["stages"]) == {"encode", "sample"}
+    for stage in data["stages"].values():
+        for key in ("compiled", "error", "weights_bytes_per_chip", "temp_bytes_per_chip", "total_bytes_per_chip",
+                    "all_reduces", "all_gathers", "compile_seconds"):
+            assert key in stage
+        assert stage["compiled"]
+    assert data["stages"]["sample"]["mosaic_kernels"] >= 1
+    fitting = [c for c in data["candidates"] if c["fits"]]
+    assert len(data["candidates"]) > 1
+    assert data["peak_bytes_per_chip"] == min(c["peak_bytes_per_chip"] for c in fitting)
+
+
+def test_cli_reports_bad_topology_as_an_error(capsys):
+    from tpu_runtime.cli import main
+
+    assert main(["plan", "--model", "cogvideox-2b", "--topology", "v6e-7"]) == 2
+    assert "v6e-7" in capsys.readouterr().err
+
+
+def test_planned_programs_do_not_touch_the_runtime_program_table(runtime):
+    before = runtime.program_count
+    plan(ModelSource("wan2.1-t2v-1.3b"), "v6e-4", height=64, width=64, frames=5, stages=("sample",), layers=1,
+         mesh="dp=2,sp=1,tp=2")
+    assert runtime.program_count == before
+    assert torch.is_grad_enabled()
