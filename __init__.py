@@ -12,8 +12,12 @@ _here = os.path.dirname(os.path.abspath(__file__))
 if _here not in sys.path:
     sys.path.append(_here)
 
-from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
-from .nodes.common import install_comfy_unload_hook  # noqa: E402
+if __package__:
+    from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
+    from .nodes.common import install_comfy_unload_hook  # noqa: E402
+else:  # imported as a plain module: pytest does so when the clone's folder name is no Python name ("pack.v2")
+    from nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
+    from nodes.common import install_comfy_unload_hook  # noqa: E402
 
 install_comfy_unload_hook()  # ComfyUI's "free memory" also frees our device buffers
 

@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
 
@@ -18,9 +19,10 @@ def _copy_checkout(dest):
             shutil.copy2(ROOT / rel, dest / rel)
 
 
-def test_sibling_folders_shadow_nothing(tmp_path):
+@pytest.mark.parametrize("clone_name", ["clone", "tpu.video-nodes"])  # the second is no Python package name
+def test_sibling_folders_shadow_nothing(tmp_path, clone_name):
     parent = tmp_path / "parent"
-    clone = parent / "clone"
+    clone = parent / clone_name
     _copy_checkout(clone)
     # Stand-ins for what may lie beside a clone: a ComfyUI checkout named comfy, stray folders named like ours.
     for name, body in (("comfy", "raise RuntimeError('the sibling comfy was imported')"),
