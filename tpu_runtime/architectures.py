@@ -23,15 +23,10 @@ T5_XXL = {
     "dropout_rate": 0.1, "tie_word_embeddings": False, "pad_token_id": 0, "eos_token_id": 1,
     "decoder_start_token_id": 0, "is_encoder_decoder": True,
 }
-# google/umt5-xxl's encoder, as Wan's text_encoder/config.json has it.
-UMT5_XXL = {
-    "architectures": ["UMT5EncoderModel"], "model_type": "umt5", "d_model": 4096, "d_ff": 10240, "d_kv": 64,
-    "num_heads": 64, "num_layers": 24, "num_decoder_layers": 24, "vocab_size": 256384,
-    "feed_forward_proj": "gated-gelu", "dense_act_fn": "gelu_new", "is_gated_act": True,
-    "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128, "layer_norm_epsilon": 1e-6,
-    "dropout_rate": 0.1, "tie_word_embeddings": False, "pad_token_id": 0, "eos_token_id": 1,
-    "decoder_start_token_id": 0, "scalable_attention": True,
-}
+# google/umt5-xxl's encoder, as Wan's text_encoder/config.json has it: T5-XXL's shape with a 256k vocabulary and
+# a relative-position bias in every layer.
+UMT5_XXL = {**T5_XXL, "architectures": ["UMT5EncoderModel"], "model_type": "umt5", "vocab_size": 256384,
+            "scalable_attention": True}
 
 
 def _cogvideox_transformer(heads: int, layers: int, rotary: bool, v15: bool = False) -> dict:
