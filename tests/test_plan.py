@@ -210,9 +210,20 @@ def test_cli_reports_bad_topology_as_an_error(capsys):
     assert "v6e-7" in capsys.readouterr().err
 
 
-def test_planned_programs_do_not_touch_the_runtime_program_table(runtime):
-    before = runtime.program_count
+def test_planned_programs_do_not_touch_the_runtime_program_table_or_cache(runtime):
+    """Programs for another machine stay out of the runtime's table and out of the persistent compilation cache
+    (a TPU step executable is 100-200 MB); the cache works again for the runtime afterwards."""
+    import jax
+    import jax.numpy as jnp
+
+    def cache_files():
+        return set(runtime.cache_dir.iterdir())
+
+    before, files = runtime.program_count, cache_files()
     plan(ModelSource("wan2.1-t2v-1.3b"), "v6e-4", height=64, width=64, frames=5, stages=("sample",), layers=1,
          mesh="dp=2,sp=1,tp=2")
     assert runtime.program_count == before
+    assert cache_files() == files
     assert torch.is_grad_enabled()
+    jax.jit(lambda x: x * 3.25 + 1.0).lower(jnp.ones((7, 3))).compile()  # a CPU program of this process: cached
+    assert len(cache_files() - files) >= 1

@@ -243,16 +243,20 @@ def compile_program(program, topo: Topology) -> StageReport:
 
 @contextlib.contextmanager
 def _no_persistent_cache():
-    """Planned programs are not kept in the compilation cache: they are for another machine, and a cache hit
-    would hide the compile time being measured."""
+    """Planned programs are neither read from nor written to the compilation cache: they are for another
+    machine (a TPU executable can be 170 MB), and a cache hit would hide the compile time being measured. JAX
+    decides once per process whether the cache is used, so the decision is reset on the way in and out."""
     import jax
+    from jax._src import compilation_cache
 
     before = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
         yield
     finally:
         jax.config.update("jax_enable_compilation_cache", before)
+        compilation_cache.reset_cache()
 
 
 # --- opening the model abstractly ------------------------------------------------------------------------------
