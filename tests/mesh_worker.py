@@ -2,8 +2,9 @@
 Works for CogVideoX and Wan folders alike.
 
 usage: python mesh_worker.py MODEL_DIR OUT_NPZ HEIGHT WIDTH MESH [MESH ...]
-A MESH may end in ":width" (split the VAE decode along the frame width) and/or ":fsdp" (split the weights
-without a tensor-parallel rule over dp), e.g. "dp=2,sp=1,tp=4:fsdp".
+A MESH may end in ":width" (split the VAE decode along the frame width), ":fsdp" (split the weights without a
+tensor-parallel rule over dp) and/or ":scan" (Wan: the VAE decode as a loop over latent frames), e.g.
+"dp=2,sp=1,tp=4:fsdp".
 """
 
 import json
@@ -25,6 +26,8 @@ for mesh in meshes:
     cls = WanFamily if is_wan_folder(model) else CogVideoXFamily
     family = cls(model, dtype="float32", mesh=spec, fsdp="fsdp" in options,
                  vae_sharding="width" if "width" in options else "replicated")
+    if "scan" in options:
+        family.decode_loop = "scan"
     emb = family.encode("a panda playing a guitar", "blurry, low quality")
     settings = SampleSettings(height, width, 9, steps=2, guidance=6.0, seed=4)
     latents = family.sample(emb, settings)

@@ -238,8 +238,9 @@ class Runtime:
                                                       sharding=self.sharding(mesh, specs[name]))
         return {name: structs[id(t)] for name, t in named}
 
-    def module_function(self, module: torch.nn.Module, method: str = "forward") -> Callable:
-        """``fn(state, *args, **kwargs)`` over jax values that runs ``module.<method>`` through torchax.
+    def module_function(self, module: torch.nn.Module, method: "str | Callable" = "forward") -> Callable:
+        """``fn(state, *args, **kwargs)`` over jax values that runs ``module.<method>`` through torchax (or
+        ``method(module, *args, **kwargs)`` when ``method`` is a function).
 
         ``state`` is what ``module_state`` returned (or any dict of the same names); the module's own tensors are
         not used, so its CPU weights may be freed once the state is on the devices.
@@ -330,12 +331,14 @@ def host_array(t: torch.Tensor) -> np.ndarray:
 class _MethodCall(torch.nn.Module):
     """Lets ``torch.func.functional_call`` run a method other than ``forward`` (e.g. ``vae.decode``)."""
 
-    def __init__(self, module: torch.nn.Module, method: str):
+    def __init__(self, module: torch.nn.Module, method: "str | Callable"):
         super().__init__()
         self.inner = module
         self.method = method
 
     def forward(self, *args, **kwargs):
+        if callable(self.method):
+            return self.method(self.inner, *args, **kwargs)
         return getattr(self.inner, self.method)(*args, **kwargs)
 
 

@@ -547,18 +547,40 @@ class WanFamily(ModelFamily):
         std_inv = 1.0 / torch.tensor(self.vae_config["latents_std"], dtype=torch.float32).view(1, channels, 1, 1, 1)
         return mean, std_inv
 
+    #: How the per-frame causal decode runs inside its compiled program. "unrolled": one copy of the decoder per
+    #: latent frame (the fastest decode on XLA:CPU, but its compile grows with the frames and the TPU compiler
+    #: keeps far more than one frame's activations live: the Wan 2.1 VAE at 480x832x81 needed 32 GB a chip).
+    #: "scan": the frames from the third on run as one ``jax.lax.scan`` over the decoder (its causal caches have
+    #: fixed shapes from there), so memory is bounded by one frame and the compile does not grow with the frames.
+    #: "auto": unrolled on CPU, scan on TPU and GPU.
+    decode_loop = "auto"
+
+    def _resolved_decode_loop(self) -> str:
+        if self.decode_loop not in ("auto", "unrolled", "scan"):
+            raise InputError(f"decode_loop {self.decode_loop!r} is not one of auto, unrolled, scan")
+        if self.decode_loop == "auto":
+            return "unrolled" if self.devices[0].platform == "cpu" else "scan"
+        return self.decode_loop
+
     def decode_program(self, z_shape: tuple[int, ...]) -> StageProgram:
         """De-normalise latents ``[1, C, T, h, w]`` and decode them, one latent frame at a time as diffusers does,
         to frames ``[F, H, W, 3]`` in 0..1."""
         import jax.numpy as jnp
 
         vae = self._component("vae")
-        decode_fn = self.runtime.module_function(vae, "decode")
+        loop = self._resolved_decode_loop()
+        if loop == "scan":
+            decode = _scanned_decode(self.runtime, vae)
+        else:
+            decode_fn = self.runtime.module_function(vae, "decode")
+
+            def decode(state, z):
+                return decode_fn(state, z, return_dict=False)[0]
         dtype = jax_dtype(self.dtype)
 
         def frames_fn(state, z, mean, std_inv):
             z = (z / std_inv + mean).astype(dtype)  # diffusers: latents / (1 / std) + mean
-            video = decode_fn(state, z, return_dict=False)[0]
+            video = decode(state, z)
             video = jnp.clip(video.astype(jnp.float32) * 0.5 + 0.5, 0.0, 1.0)
             return jnp.transpose(video[0], (1, 2, 3, 0))
 
@@ -573,8 +595,58 @@ class WanFamily(ModelFamily):
                    self.arg(stats, f32))
         frames = (z_shape[2] - 1) * self.vae_scale_temporal + 1
         height, width = z_shape[3] * self.vae_scale_spatial, z_shape[4] * self.vae_scale_spatial
-        return StageProgram("decode", frames_fn, example, (tuple(z_shape), self.vae_sharding),
-                            f"Wan VAE decode for {frames}x{height}x{width}", scope, ("vae",))
+        return StageProgram("decode", frames_fn, example, (tuple(z_shape), self.vae_sharding, loop),
+                            f"Wan VAE decode for {frames}x{height}x{width} ({loop} over latent frames)", scope,
+                            ("vae",))
+
+
+def _scanned_decode(runtime: Runtime, vae: torch.nn.Module) -> Callable:
+    """``decode(state, z)`` computing what ``vae.decode(z)`` does (diffusers' per-frame causal decode), with the
+    latent frames from the third on run as one ``jax.lax.scan``: the first frame fills the causal caches, the
+    second gives every cache its steady two-frame shape (the first chunk's upsampling writes a marker, not a
+    tensor), and every later frame maps (caches, frame) to (caches, output frames) with the same shapes."""
+    import jax
+    import jax.numpy as jnp
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, unpatchify
+
+    cache_count = sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
+
+    def frame(module, x, caches, first_chunk):
+        feat = list(caches) if caches is not None else [None] * cache_count
+        out = module.decoder(x, feat_cache=feat, feat_idx=[0], first_chunk=first_chunk)
+        return out, feat
+
+    def finish(module, out):
+        if module.config.patch_size is not None:
+            out = unpatchify(out, patch_size=module.config.patch_size)
+        return torch.clamp(out, min=-1.0, max=1.0)
+
+    post_quant = runtime.module_function(vae, lambda module, z: module.post_quant_conv(z))
+    step = runtime.module_function(vae, frame)
+    finish_fn = runtime.module_function(vae, finish)
+
+    def decode(state, z):
+        x = post_quant(state, z)
+        count = x.shape[2]
+        outs, caches = [], None
+        for i in range(min(count, 2)):
+            out, caches = step(state, x[:, :, i:i + 1], caches, i == 0)
+            outs.append(out)
+        if count > 2:
+            if not all(c is None or isinstance(c, jax.Array) for c in caches):  # None: a cache never used
+                raise RuntimeError("the Wan VAE's causal caches are not all tensors after two frames; this VAE "
+                                   "cannot be decoded as a scan (set decode_loop = 'unrolled')")
+
+            def body(carry, x_frame):
+                out, carry = step(state, x_frame[:, :, None], carry, False)
+                return list(carry), out
+
+            _, ys = jax.lax.scan(body, list(caches), jnp.moveaxis(x[:, :, 2:], 2, 0))
+            _, b, c, t, h, w = ys.shape  # [frames, batch, channels, outputs per frame, height, width]
+            outs.append(jnp.moveaxis(ys, 0, 2).reshape(b, c, (count - 2) * t, h, w))
+        return finish_fn(state, jnp.concatenate(outs, axis=2))
+
+    return decode
 
 
 def _wan_vae_for_xla(vae: torch.nn.Module):
