@@ -67,3 +67,19 @@ def wan_frames(folder, prompt, negative, height, width, frames, steps, guidance,
         pipe.scheduler = original
         pipe.register_to_config(boundary_ratio=original_boundary)
     return out.frames[0]
+
+
+def lora_frames(pipeline_cls, folder, loras=(), loras_2=(), **call):
+    """(frames, pipeline) of a fresh diffusers pipeline with each LoRA loaded (``load_lora_weights``), fused at its strength
+    (``fuse_lora``) and its adapter unloaded, one after another: ``loras`` into the transformer, ``loras_2`` into
+    Wan 2.2's low-noise ``transformer_2``. ``call``: the pipeline's own arguments plus ``seed``."""
+    pipe = pipeline_cls.from_pretrained(str(folder), dtype=torch.float32)
+    for i, (path, strength, second) in enumerate([(*lo, False) for lo in loras] + [(*lo, True) for lo in loras_2]):
+        extra = {"load_into_transformer_2": True} if second else {}
+        pipe.load_lora_weights(str(path), adapter_name=f"lora{i}", **extra)
+        pipe.fuse_lora(components=["transformer_2" if second else "transformer"], lora_scale=strength,
+                       adapter_names=[f"lora{i}"])
+        pipe.unload_lora_weights()
+    seed = call.pop("seed")
+    out = pipe(generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **call)
+    return out.frames[0], pipe

@@ -33,6 +33,11 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool = False) -> None:
         files.add_argument("--transformer-2", help="Wan 2.2 A14B: the low-noise expert file")
         files.add_argument("--text-encoder", help="umT5 file (models/text_encoders/umt5_xxl_*.safetensors)")
         files.add_argument("--vae", help="VAE file (models/vae/wan_2.1_vae or wan2.2_vae)")
+        p.add_argument("--lora", dest="loras", action="append", default=[], metavar="FILE[:STRENGTH]",
+                       help="a LoRA merged into the transformer (Wan 2.2 A14B: the high-noise expert), strength 1 "
+                       "unless given; repeat for several")
+        p.add_argument("--lora-2", dest="loras_2", action="append", default=[], metavar="FILE[:STRENGTH]",
+                       help="Wan 2.2 A14B: a LoRA merged into the low-noise expert; repeat for several")
     p.add_argument("--negative-prompt", default="", help="what to steer away from (default: empty)")
     p.add_argument("--height", type=int, help="pixels, multiple of 16 (32 for Wan TI2V-5B); default: native")
     p.add_argument("--width", type=int, help="pixels, multiple of 16 (32 for Wan TI2V-5B); default: native")

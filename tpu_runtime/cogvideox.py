@@ -263,6 +263,7 @@ class CogVideoXFamily(ModelFamily):
                 raise InputError(f"{name}={value} does not apply to CogVideoX ({fix}): leave it unset")
         if s.scheduler is not None and s.scheduler not in SCHEDULERS:
             raise InputError(f"scheduler {s.scheduler!r} is not one CogVideoX uses: pick one of {sorted(SCHEDULERS)}")
+        self.lora_targets(s)
 
     # --- stage 1: text -----------------------------------------------------------------------------------------
     def tokenize(self, texts: list[str]) -> torch.Tensor:
@@ -357,6 +358,7 @@ class CogVideoXFamily(ModelFamily):
         stochastic = type(scheduler).__name__ == SCHEDULERS["dpm"]
         cfg = s.guidance > 1.0
         self.check_cfg_mesh(cfg)
+        self.apply_loras(self.lora_targets(s))  # before compiling: a LoRA that does not fit is refused first
         shape, pad = self.latent_shape(s.height, s.width, s.num_frames)
         program = self.sample_program(s.height, s.width, s.num_frames, cfg)
         executable = self.compile_stage(program)

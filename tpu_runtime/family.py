@@ -27,12 +27,14 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 from .attention import AttentionConfig, attention_scope, target_platform
 from .errors import InputError, Interrupted, StageFileError
+from .lora import LoraMerger, LoraSpec, name_aliases, read_lora
 from .runtime import Runtime, compile_stats, get_runtime
 from .sharding import MeshSpec, default_mesh, parse_mesh, validate_mesh
 
@@ -80,6 +82,8 @@ class SampleSettings:
     shift: float | None = None  # Wan: flow shift; None: the model's scheduler config
     guidance_2: float | None = None  # Wan 2.2 two experts: guidance of the low-noise expert (default: guidance)
     boundary: float | None = None  # Wan 2.2 two experts: boundary ratio (default: the model's)
+    loras: tuple = ()  # LoraSpec: merged into the transformer (Wan 2.2 two experts: the high-noise expert)
+    loras_2: tuple = ()  # LoraSpec: Wan 2.2 two experts only: merged into the low-noise expert
 
 
 @dataclass
@@ -106,6 +110,7 @@ class StageTimings:
     compile: dict[str, float] = field(default_factory=dict)
     run: dict[str, float] = field(default_factory=dict)
     compiles: dict[str, int] = field(default_factory=dict)
+    lora: float = 0.0  # seconds spent merging LoRAs into the weights (reading the files included)
     cache_hits: dict[str, int] = field(default_factory=dict)
     programs: dict[str, object] = field(default_factory=dict)  # each stage's latest CompiledProgram (time, memory)
 
@@ -184,6 +189,7 @@ class ModelFamily:
     FAMILY = "?"
     FAMILY_NAME = "?"  # as users write it
     DEFAULT_GUIDANCE = 6.0
+    two_experts = False  # Wan 2.2 A14B: a second (low-noise) transformer
 
     def _setup(self, dtype: str, runtime: Runtime | None, mesh, attention, fsdp: bool, heads: int,
                vae_sharding: str = "replicated", target_devices=None) -> None:
@@ -215,6 +221,7 @@ class ModelFamily:
         self.timings = StageTimings()
         self._parts: dict[str, object] = {}
         self._states: dict[str, dict] = {}
+        self._loras: dict[str, LoraMerger] = {}
 
     # --- components ------------------------------------------------------------------------------------------
     def _load_component(self, name: str):
@@ -259,6 +266,58 @@ class ModelFamily:
         """Drop the device copies of the weights (ComfyUI's 'unload models')."""
         self._states.clear()
         self._parts.clear()
+        self._loras.clear()
+
+    # --- LoRA ------------------------------------------------------------------------------------------------
+    def _lora_original_name(self, name: str) -> str:
+        """The name the original checkpoint (and LoRA files trained on it) gives parameter ``name``."""
+        return name
+
+    def lora_targets(self, settings: SampleSettings) -> dict[str, tuple]:
+        """Component -> the LoRAs ``settings`` asks for on it."""
+        if settings.loras_2 and not self.two_experts:
+            raise InputError(f"{self.label} has one transformer: the low-noise LoRA slot (--lora-2, lora_2) is for "
+                             "two-expert Wan 2.2 models; give these LoRAs as --lora")
+        targets = {"transformer": tuple(settings.loras)}
+        if self.two_experts:
+            targets["transformer_2"] = tuple(settings.loras_2)
+        for specs in targets.values():
+            for spec in specs:
+                if not isinstance(spec, LoraSpec):
+                    raise InputError(f"a LoRA must be given as a file and a strength, got {spec!r}")
+        return targets
+
+    def apply_loras(self, targets: dict[str, tuple], merge: bool = True) -> None:
+        """Merge the LoRAs of ``targets`` (component -> LoraSpecs, as ``lora_targets`` gives) into those weights
+        on the devices, removing any others merged before; nothing happens when they are the ones already merged.
+        Every file is read and checked before any weight changes; ``merge=False`` only reads and checks them."""
+        import jax
+
+        for component, specs in targets.items():
+            if component not in self._loras and not specs:
+                continue
+            self._component(component)
+            start = time.perf_counter()
+            merger = self._loras.setdefault(component, LoraMerger(self.runtime, component))
+            state = self._states[component]
+            params = {name: tuple(value.shape) for name, value in state.items()}
+            aliases = name_aliases(params, self._lora_original_name)
+            what = f"{self.label} ({component})" if self.two_experts else self.label
+
+            def read(path, params=params, aliases=aliases, what=what):
+                return read_lora(path, params, aliases, what, self.FAMILY_NAME)
+
+            if not merge:
+                for spec in specs:
+                    merger.read(spec, read)
+                continue
+            if merger.apply(state, specs, read):
+                jax.block_until_ready([state[name] for name in merger.touched])
+                seconds = time.perf_counter() - start
+                self.timings.lora += seconds
+                log.info("%s: %s merged in %.2f s (%d weights)", what, ", ".join(
+                    f"{Path(spec.path).name}:{spec.strength:g}" for spec in specs) or "LoRAs removed", seconds,
+                    len(merger.touched))
 
     # --- checks ----------------------------------------------------------------------------------------------
     def check_made_here(self, value: "TextEmbeddings | VideoLatents") -> None:

@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger("tpu_runtime")
@@ -56,6 +56,13 @@ class GenerateRequest:
     transformer_2: str | None = None
     text_encoder: str | None = None
     vae: str | None = None
+    loras: list[str] = field(default_factory=list)  # FILE[:STRENGTH], merged into the transformer
+    loras_2: list[str] = field(default_factory=list)  # FILE[:STRENGTH], Wan 2.2 A14B's low-noise expert
+
+    def lora_specs(self) -> tuple[tuple, tuple]:
+        from .lora import parse_lora
+
+        return tuple(parse_lora(x) for x in self.loras), tuple(parse_lora(x) for x in self.loras_2)
 
     def attention_config(self):
         from .attention import AttentionConfig
@@ -142,10 +149,14 @@ def generate(req: GenerateRequest, family=None) -> dict:
     if fps < 1:
         raise InputError(f"--fps {fps} must be at least 1")
     guidance = req.guidance if req.guidance is not None else family.DEFAULT_GUIDANCE
+    loras, loras_2 = req.lora_specs()
     settings = SampleSettings(height, width, frames, req.steps, guidance, req.seed, req.scheduler, req.dynamic_cfg,
-                              req.shift, req.guidance_2, req.boundary)
+                              req.shift, req.guidance_2, req.boundary, loras=loras, loras_2=loras_2)
     if req.stage in ("all", "sample"):
         family.validate_settings(settings)  # before the encode stage spends any time
+        family.apply_loras(family.lora_targets(settings), merge=False)  # every LoRA file read and checked too
+    elif loras or loras_2:
+        raise InputError(f"--lora applies to sampling: use it with --stage all or --stage sample, not {req.stage}")
 
     config = {
         **family.describe(), "dtype": family.dtype_name, "backend": runtime.backend,
@@ -166,6 +177,9 @@ def generate(req: GenerateRequest, family=None) -> dict:
         config.update(steps=req.steps, guidance=guidance, seed=req.seed, scheduler=req.scheduler or "model default",
                       **{k: v for k, v in (("dynamic_cfg", req.dynamic_cfg), ("shift", req.shift),
                                            ("guidance_2", req.guidance_2), ("boundary", req.boundary)) if v})
+        for name, specs in (("loras", loras), ("loras_2", loras_2)):
+            if specs:
+                config[name] = [{"path": str(spec.path), "strength": spec.strength} for spec in specs]
     if req.stage in ("all", "decode"):
         frames_tensor = family.decode(latents, tiling=req.vae_tiling, group_norm=req.group_norm)
         sf.save_frames(out, frames_tensor)
@@ -179,6 +193,7 @@ def generate(req: GenerateRequest, family=None) -> dict:
         "compile_s": {k: round(v, 3) for k, v in t.compile.items()},
         "run_s": {k: round(v, 3) for k, v in t.run.items()},
         "xla_compiles": dict(t.compiles),
+        "lora_merge_s": round(t.lora, 3),
         "persistent_cache_hits": dict(t.cache_hits),
         "xla_compiles_total": stats.xla_compiles,
         "persistent_cache_hits_total": stats.persistent_cache_hits,

@@ -297,39 +297,6 @@ def build_tiny_wan(directory: str | Path, generation: str = "2.1", seed: int = 0
 
 # diffusers -> original Wan names, the inverse of what ComfyUI's files hold (written out independently of
 # diffusers' own converter, which the loader uses, so a test of one against the other means something).
-_WAN_TO_ORIGINAL = (
-    ("condition_embedder.time_embedder.linear_1.", "time_embedding.0."),
-    ("condition_embedder.time_embedder.linear_2.", "time_embedding.2."),
-    ("condition_embedder.text_embedder.linear_1.", "text_embedding.0."),
-    ("condition_embedder.text_embedder.linear_2.", "text_embedding.2."),
-    ("condition_embedder.time_proj.", "time_projection.1."),
-    ("proj_out.", "head.head."),
-)
-
-
-def wan_transformer_to_original(name: str) -> str:
-    import re
-
-    if name == "scale_shift_table":
-        return "head.modulation"
-    for old, new in _WAN_TO_ORIGINAL:
-        if name.startswith(old):
-            return new + name[len(old):]
-    m = re.match(r"blocks\.(\d+)\.(.*)", name)
-    if not m:
-        return name
-    n, rest = m.groups()
-    swaps = (("attn1.", "self_attn."), ("attn2.", "cross_attn."), ("ffn.net.0.proj.", "ffn.0."),
-             ("ffn.net.2.", "ffn.2."), ("norm2.", "norm3."), ("scale_shift_table", "modulation"))
-    for old, new in swaps:
-        if rest.startswith(old):
-            rest = new + rest[len(old):]
-            break
-    for old, new in ((".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."), (".to_out.0.", ".o.")):
-        rest = rest.replace(old, new)
-    return f"blocks.{n}.{rest}"
-
-
 def _vae_residual_to_original(rest: str) -> str:
     for old, new in (("norm1.gamma", "residual.0.gamma"), ("conv1.", "residual.2."), ("norm2.gamma", "residual.3.gamma"),
                      ("conv2.", "residual.6."), ("conv_shortcut.", "shortcut.")):
@@ -405,6 +372,8 @@ def export_comfy_files(folder: str | Path, out: str | Path, fmt: str = "fp16",
     import torch
     from safetensors.torch import load_file, save_file
 
+    from .wan_files import wan_transformer_to_original
+
     folder, out = Path(folder), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8_scaled": torch.float32}
@@ -434,3 +403,66 @@ def export_comfy_files(folder: str | Path, out: str | Path, fmt: str = "fp16",
     paths["vae"] = out / "wan_vae_bf16.safetensors"
     save_file(vae, str(paths["vae"]))
     return paths
+
+
+# --- LoRA files --------------------------------------------------------------------------------------------------
+LORA_FORMATS = ("comfy", "comfy_ab", "musubi", "diffusers")
+_LORA_TARGETS = {
+    "wan": r"blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)\.weight|blocks\.\d+\.ffn\.net\.(0\.proj|2)\.weight",
+    "cogvideox": r"transformer_blocks\.\d+\.attn1\.(to_q|to_k|to_v|to_out\.0)\.weight|"
+                 r"transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)\.weight",
+}
+
+
+def build_tiny_lora(transformer: str | Path, out: str | Path, fmt: str = "comfy", family: str = "wan",
+                    rank: int = 4, seed: int = 0, scale: float = 0.3, bias_diffs: bool = False,
+                    extra: dict | None = None) -> Path:
+    """A random-weight LoRA for the transformer folder ``transformer`` (diffusers format) over every attention and
+    feed-forward linear of every block, written as people download them (``fmt``):
+
+    - ``comfy``: ComfyUI / original Wan names, ``diffusion_model.`` prefix, lora_down/lora_up with alpha (and
+      ``.diff_b`` bias differences on the feed-forward layers with ``bias_diffs``);
+    - ``comfy_ab``: original names with lora_A/lora_B and no alpha;
+    - ``musubi``: kohya/musubi-tuner ``lora_unet_`` names (dots as underscores) with alpha;
+    - ``diffusers``: diffusers/PEFT ``transformer.`` names with lora_A/lora_B (CogVideoX LoRAs ship this way).
+
+    ``extra``: more tensors written as given (e.g. keys that match nothing)."""
+    import re
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from .wan_files import wan_transformer_to_original
+
+    if fmt not in LORA_FORMATS:
+        raise ValueError(f"fmt must be one of {LORA_FORMATS}")
+    if family != "wan" and fmt != "diffusers":
+        raise ValueError("CogVideoX LoRAs are written in the diffusers format")
+    state = load_file(str(Path(transformer) / "diffusion_pytorch_model.safetensors"))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for key in sorted(state):
+        if not re.fullmatch(_LORA_TARGETS[family], key):
+            continue
+        out_dim, in_dim = state[key].shape
+        module = key[: -len(".weight")]
+        down = torch.randn(rank, in_dim, generator=generator) * scale
+        up = torch.randn(out_dim, rank, generator=generator) * scale
+        original = wan_transformer_to_original(key)[: -len(".weight")] if family == "wan" else module
+        if fmt == "diffusers":
+            tensors[f"transformer.{module}.lora_A.weight"] = down
+            tensors[f"transformer.{module}.lora_B.weight"] = up
+            continue
+        name = f"lora_unet_{original.replace('.', '_')}" if fmt == "musubi" else f"diffusion_model.{original}"
+        low, high = ("lora_A", "lora_B") if fmt == "comfy_ab" else ("lora_down", "lora_up")
+        tensors[f"{name}.{low}.weight"] = down
+        tensors[f"{name}.{high}.weight"] = up
+        if fmt != "comfy_ab":
+            tensors[f"{name}.alpha"] = torch.tensor(float(rank) / 2)
+        if bias_diffs and fmt == "comfy" and ".ffn." in key:
+            tensors[f"{name}.diff_b"] = torch.randn(out_dim, generator=generator) * 0.05
+    tensors.update(extra or {})
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out))
+    return out

@@ -338,6 +338,11 @@ class WanFamily(ModelFamily):
         if problems:
             raise InputError("; ".join(problems))
 
+    def _lora_original_name(self, name: str) -> str:
+        from .wan_files import wan_transformer_to_original
+
+        return wan_transformer_to_original(name)
+
     def validate_settings(self, s: SampleSettings) -> None:
         """Settings this model cannot use are refused, never silently ignored."""
         if s.dynamic_cfg:
@@ -353,6 +358,7 @@ class WanFamily(ModelFamily):
             raise InputError(f"boundary={s.boundary} must be between 0 and 1 (0.875 for Wan2.2-T2V-A14B)")
         if s.shift is not None and not float(s.shift) > 0:
             raise InputError(f"shift={s.shift} must be positive (3 to 12 for Wan; default: the model's)")
+        self.lora_targets(s)
 
     # --- stage 1: text -----------------------------------------------------------------------------------------
     def tokenize(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -420,6 +426,7 @@ class WanFamily(ModelFamily):
         guidance_2 = guidance if s.guidance_2 is None else float(s.guidance_2)
         cfg = guidance > 1.0  # as diffusers: the first guidance alone turns CFG on, for both experts
         self.check_cfg_mesh(cfg)
+        self.apply_loras(self.lora_targets(s))  # before compiling: a LoRA that does not fit is refused first
         scheduler = self.scheduler(s.scheduler, s.shift)
         plan = linear_plan(scheduler, s.steps)
         boundary = None

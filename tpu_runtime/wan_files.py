@@ -105,6 +105,41 @@ def transformer_names(path: Path) -> tuple[dict, dict[str, str]]:
     return config, {original: new for new, original in renamed.items()}
 
 
+_WAN_TO_ORIGINAL = (
+    ("condition_embedder.time_embedder.linear_1.", "time_embedding.0."),
+    ("condition_embedder.time_embedder.linear_2.", "time_embedding.2."),
+    ("condition_embedder.text_embedder.linear_1.", "text_embedding.0."),
+    ("condition_embedder.text_embedder.linear_2.", "text_embedding.2."),
+    ("condition_embedder.time_proj.", "time_projection.1."),
+    ("proj_out.", "head.head."),
+)
+
+
+def wan_transformer_to_original(name: str) -> str:
+    """The original (ComfyUI / Wan repository) name of a diffusers Wan transformer tensor or module name: the
+    inverse of ``convert_wan_transformer_to_diffusers`` (single files and LoRA files use these names)."""
+    import re
+
+    if name == "scale_shift_table":
+        return "head.modulation"
+    for old, new in _WAN_TO_ORIGINAL:
+        if name.startswith(old):
+            return new + name[len(old):]
+    m = re.match(r"blocks\.(\d+)\.(.*)", name)
+    if not m:
+        return name
+    n, rest = m.groups()
+    swaps = (("attn1.", "self_attn."), ("attn2.", "cross_attn."), ("ffn.net.0.proj.", "ffn.0."),
+             ("ffn.net.2.", "ffn.2."), ("norm2.", "norm3."), ("scale_shift_table", "modulation"))
+    for old, new in swaps:
+        if rest.startswith(old):
+            rest = new + rest[len(old):]
+            break
+    for old, new in ((".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."), (".to_out.0.", ".o.")):
+        rest = rest.replace(old, new)
+    return f"blocks.{n}.{rest}"
+
+
 # --- umT5 text encoder -------------------------------------------------------------------------------------------
 def umt5_names(path: Path) -> tuple[dict, dict[str, str]]:
     """(transformers UMT5Config kwargs, file key -> module name) of a ComfyUI umT5 encoder file."""
