@@ -9,6 +9,7 @@ from __future__ import annotations
 from .common import (
     DEVICE_INPUTS,
     DTYPE_INPUT,
+    LoraNode,
     TextEncodeNode,
     decode_latent,
     install_comfy_unload_hook,  # noqa: F401 - kept importable from here for existing callers
@@ -74,6 +75,12 @@ class TPUCogVideoXTextEncode(TextEncodeNode):
     CATEGORY = CATEGORY
 
 
+class TPUCogVideoXLoRA(LoraNode):
+    MODEL_TYPE = MODEL_TYPE
+    RETURN_TYPES = (MODEL_TYPE,)
+    CATEGORY = CATEGORY
+
+
 class TPUCogVideoXSampler:
     """Denoise a video latent: one compiled program per shape, reused for every step and every seed."""
 
@@ -116,6 +123,7 @@ class TPUCogVideoXDecode:
 NODE_CLASS_MAPPINGS = {
     "TPUCogVideoXLoader": TPUCogVideoXLoader,
     "TPUCogVideoXTextEncode": TPUCogVideoXTextEncode,
+    "TPUCogVideoXLoRA": TPUCogVideoXLoRA,
     "TPUCogVideoXSampler": TPUCogVideoXSampler,
     "TPUCogVideoXDecode": TPUCogVideoXDecode,
 }
@@ -123,6 +131,7 @@ NODE_CLASS_MAPPINGS = {
 NODE_DISPLAY_NAME_MAPPINGS = {
     "TPUCogVideoXLoader": "CogVideoX Loader (TPU)",
     "TPUCogVideoXTextEncode": "CogVideoX Text Encode (TPU)",
+    "TPUCogVideoXLoRA": "CogVideoX LoRA (TPU)",
     "TPUCogVideoXSampler": "CogVideoX Sampler (TPU)",
     "TPUCogVideoXDecode": "CogVideoX Decode (TPU)",
 }

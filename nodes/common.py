@@ -94,6 +94,67 @@ class TextEncodeNode:
         return (model.encode(prompt, negative_prompt),)
 
 
+class LoraModel:
+    """What a LoRA node passes on: the loaded model plus the LoRAs to merge when it samples (ComfyUI's
+    ``LoraLoaderModelOnly`` way: the model is patched when used, so chains of LoRA nodes stack and removing a node
+    removes its LoRA). Everything else is the model's own; encode and decode do not read the transformer."""
+
+    def __init__(self, family, loras: tuple = (), loras_2: tuple = ()):
+        self.family, self.loras, self.loras_2 = family, tuple(loras), tuple(loras_2)
+
+    def __getattr__(self, name):
+        return getattr(self.family, name)
+
+
+def base_model(model):
+    return model.family if isinstance(model, LoraModel) else model
+
+
+NO_LORAS = "(no LoRA in models/loras)"
+EXPERTS = ["both", "high noise", "low noise"]
+
+
+class LoraNode:
+    """Adds a LoRA file (ComfyUI's models/loras) at a strength to the model; chain several."""
+
+    MODEL_TYPE = ""  # a family's subclass sets it, and RETURN_TYPES = (MODEL_TYPE,)
+    RETURN_NAMES = ("model",)
+    FUNCTION = "apply"
+    DESCRIPTION = ("Adds a LoRA at a strength. It is merged into the transformer's weights on the devices when the "
+                   "sampler runs: the sampler's compiled program is unchanged, and a new strength compiles nothing.")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        from .model_folders import find_files
+
+        return {"required": {
+            "model": (cls.MODEL_TYPE,),
+            "lora_name": (sorted(find_files("loras")) or [NO_LORAS],),
+            "strength": ("FLOAT", {"default": 1.0, "min": -10.0, "max": 10.0, "step": 0.01,
+                                   "tooltip": "1: the LoRA as trained; 0: off; negative: subtracted"}),
+        }}
+
+    def apply(self, model, lora_name: str, strength: float, expert: str = "both"):
+        from tpu_runtime.errors import InputError
+        from tpu_runtime.lora import LoraSpec
+
+        from .model_folders import file_path
+
+        family = base_model(model)
+        if expert not in EXPERTS:
+            raise InputError(f"expert {expert!r} must be one of {EXPERTS}")
+        if expert == "low noise" and not family.two_experts:
+            raise InputError(f"{family.label} has one transformer: set expert to 'both' (the low-noise expert is a "
+                             "Wan 2.2 A14B part)")
+        spec = LoraSpec(str(file_path("loras", lora_name)), float(strength))
+        high = expert in ("both", "high noise")
+        low = family.two_experts and expert in ("both", "low noise")
+        targets = {**({"transformer": (spec,)} if high else {}), **({"transformer_2": (spec,)} if low else {})}
+        family.apply_loras(targets, merge=False)  # read and checked now, so a wrong file is reported on this node
+        return (LoraModel(family, getattr(model, "loras", ()) + ((spec,) if high else ()),
+                          getattr(model, "loras_2", ()) + ((spec,) if low else ())),)
+
+
 def sampler_inputs(model_type: str, embeds_type: str, width: int, height: int, frames: int, frames_tip: str,
                    guidance: float, schedulers: list[str]) -> dict:
     """The inputs every sampler has, with the family's native defaults."""
@@ -112,8 +173,14 @@ def sampler_inputs(model_type: str, embeds_type: str, width: int, height: int, f
 
 
 def run_sampler(model, embeds, settings):
-    """Sample with ComfyUI's progress bar (one tick per step) and Cancel (checked before every step)."""
+    """Sample with ComfyUI's progress bar (one tick per step) and Cancel (checked before every step), with the
+    LoRAs of the LoRA nodes before it (none: any merged earlier are removed)."""
+    import dataclasses
+
     from .comfy_bridge import interrupt_requested, progress_bar, raise_if_interrupted
+
+    settings = dataclasses.replace(settings, loras=getattr(model, "loras", ()), loras_2=getattr(model, "loras_2", ()))
+    model = base_model(model)
 
     bar = progress_bar(settings.steps)
 

@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import DEVICE_INPUTS, DTYPE_INPUT, TextEncodeNode, decode_latent, load_model, run_sampler, sampler_inputs
+from .common import (
+    DEVICE_INPUTS,
+    DTYPE_INPUT,
+    EXPERTS,
+    LoraNode,
+    TextEncodeNode,
+    decode_latent,
+    load_model,
+    run_sampler,
+    sampler_inputs,
+)
 
 CATEGORY = "TPU video/Wan"
 MODEL_TYPE = "TPU_WAN_MODEL"
@@ -117,6 +127,19 @@ class TPUWanTextEncode(TextEncodeNode):
     CATEGORY = CATEGORY
 
 
+class TPUWanLoRA(LoraNode):
+    MODEL_TYPE = MODEL_TYPE
+    RETURN_TYPES = (MODEL_TYPE,)
+    CATEGORY = CATEGORY
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        inputs = super().INPUT_TYPES()
+        inputs["optional"] = {"expert": (EXPERTS, {"default": "both", "tooltip": "Wan 2.2 A14B: which expert gets "
+                                                   "it (the lightx2v 2.2 LoRAs ship a high- and a low-noise file)"})}
+        return inputs
+
+
 class TPUWanSampler:
     """Denoise a video latent: one compiled program per shape (shared by Wan 2.2's two experts), reused for every
     step and every seed."""
@@ -124,7 +147,7 @@ class TPUWanSampler:
     @classmethod
     def INPUT_TYPES(cls):
         inputs = sampler_inputs(MODEL_TYPE, EMBEDS_TYPE, 832, 480, 81, "4N+1 (81 native; TI2V-5B 121)", 5.0,
-                                ["unipc", "euler"])
+                                ["unipc", "euler", "euler_simple"])
         return {
             "required": {
                 **inputs,
@@ -178,6 +201,7 @@ NODE_CLASS_MAPPINGS = {
     "TPUWanLoader": TPUWanLoader,
     "TPUWanModelFilesLoader": TPUWanModelFilesLoader,
     "TPUWanTextEncode": TPUWanTextEncode,
+    "TPUWanLoRA": TPUWanLoRA,
     "TPUWanSampler": TPUWanSampler,
     "TPUWanDecode": TPUWanDecode,
 }
@@ -186,6 +210,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "TPUWanLoader": "Wan Loader (TPU)",
     "TPUWanModelFilesLoader": "Wan Loader from ComfyUI files (TPU)",
     "TPUWanTextEncode": "Wan Text Encode (TPU)",
+    "TPUWanLoRA": "Wan LoRA (TPU)",
     "TPUWanSampler": "Wan Sampler (TPU)",
     "TPUWanDecode": "Wan Decode (TPU)",
 }

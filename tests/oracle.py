@@ -55,6 +55,10 @@ def wan_frames(folder, prompt, negative, height, width, frames, steps, guidance,
     flow_shift = original.config.flow_shift if shift is None else shift
     if scheduler == "euler":
         pipe.scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=flow_shift)
+    elif scheduler == "euler_simple":
+        from tpu_runtime.schedulers import euler_simple_scheduler
+
+        pipe.scheduler = euler_simple_scheduler(shift=flow_shift)
     elif shift is not None:
         pipe.scheduler = diffusers.UniPCMultistepScheduler.from_config(original.config, flow_shift=shift)
     if boundary is not None:
@@ -69,7 +73,7 @@ def wan_frames(folder, prompt, negative, height, width, frames, steps, guidance,
     return out.frames[0]
 
 
-def lora_frames(pipeline_cls, folder, loras=(), loras_2=(), **call):
+def lora_frames(pipeline_cls, folder, loras=(), loras_2=(), scheduler=None, **call):
     """(frames, pipeline) of a fresh diffusers pipeline with each LoRA loaded (``load_lora_weights``), fused at its strength
     (``fuse_lora``) and its adapter unloaded, one after another: ``loras`` into the transformer, ``loras_2`` into
     Wan 2.2's low-noise ``transformer_2``. ``call``: the pipeline's own arguments plus ``seed``."""
@@ -80,6 +84,8 @@ def lora_frames(pipeline_cls, folder, loras=(), loras_2=(), **call):
         pipe.fuse_lora(components=["transformer_2" if second else "transformer"], lora_scale=strength,
                        adapter_names=[f"lora{i}"])
         pipe.unload_lora_weights()
+    if scheduler is not None:
+        pipe.scheduler = scheduler
     seed = call.pop("seed")
     out = pipe(generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **call)
     return out.frames[0], pipe

@@ -31,16 +31,19 @@ def wan21(tiny_wan):
     return family, family.encode(PROMPT, NEGATIVE)
 
 
-def _sample(family, embeddings, loras=(), loras_2=(), height=H, width=W, frames=F, guidance=5.0):
-    settings = SampleSettings(height, width, frames, STEPS, guidance, 42, loras=tuple(loras), loras_2=tuple(loras_2))
+def _sample(family, embeddings, loras=(), loras_2=(), height=H, width=W, frames=F, guidance=5.0, steps=STEPS,
+            **more):
+    settings = SampleSettings(height, width, frames, steps, guidance, 42, loras=tuple(loras), loras_2=tuple(loras_2),
+                              **more)
     return family.decode(family.sample(embeddings, settings)).numpy()
 
 
-def _wan_reference(folder, loras=(), loras_2=(), pipeline=False):
+def _wan_reference(folder, loras=(), loras_2=(), pipeline=False, steps=STEPS, guidance=5.0, scheduler=None):
     from diffusers import WanPipeline
 
-    frames, pipe = lora_frames(WanPipeline, folder, loras, loras_2, prompt=PROMPT, negative_prompt=NEGATIVE, height=H,
-                       width=W, num_frames=F, num_inference_steps=STEPS, guidance_scale=5.0, seed=42)
+    frames, pipe = lora_frames(WanPipeline, folder, loras, loras_2, scheduler, prompt=PROMPT, negative_prompt=NEGATIVE,
+                               height=H, width=W, num_frames=F, num_inference_steps=steps, guidance_scale=guidance,
+                               seed=42)
     return (frames, pipe) if pipeline else frames
 
 
@@ -80,21 +83,28 @@ def test_two_loras_at_once_match_diffusers(wan21, tiny_wan, tmp_path):
     _close(ours, _wan_reference(tiny_wan["2.1"], [(a, 0.6), (b, -0.4)]))
 
 
-def test_two_experts_take_their_own_loras(tiny_wan, tmp_path):
-    """Wan 2.2 A14B: one LoRA on the high-noise expert, another on the low-noise one (the lightx2v 2.2 way)."""
+def test_two_experts_take_their_own_loras_at_the_lightx2v_settings(tiny_wan, tmp_path):
+    """Wan 2.2 A14B as the 4-step lightx2v LoRAs are used: one LoRA on the high-noise expert, another on the
+    low-noise one, 4 steps, CFG off, Euler with ComfyUI's simple spacing at shift 5 (the cards' timesteps)."""
+    from tpu_runtime.schedulers import euler_simple_scheduler
     from tpu_runtime.wan import WanFamily
 
     folder = tiny_wan["2.2-A14B"]
     high = build_tiny_lora(folder / "transformer", tmp_path / "high.safetensors", "comfy", seed=6)
     low = build_tiny_lora(folder / "transformer_2", tmp_path / "low.safetensors", "diffusers", seed=7)
     family = WanFamily(folder, dtype="float32")
+    scheduler = family.scheduler("euler_simple", 5.0)
+    scheduler.set_timesteps(4)
+    np.testing.assert_allclose(scheduler.timesteps.numpy(), [1000.0, 937.5, 833.3333, 625.0], atol=1e-3)
     embeddings = family.encode(PROMPT, NEGATIVE)
-    ours = _sample(family, embeddings, [LoraSpec(str(high), 0.9)], [LoraSpec(str(low), 0.5)])
-    ref, pipe = _wan_reference(folder, [(high, 0.9)], [(low, 0.5)], pipeline=True)
+    lightx2v = dict(steps=4, guidance=1.0, scheduler="euler_simple", shift=5.0)
+    ours = _sample(family, embeddings, [LoraSpec(str(high), 0.9)], [LoraSpec(str(low), 0.5)], **lightx2v)
+    ref, pipe = _wan_reference(folder, [(high, 0.9)], [(low, 0.5)], pipeline=True, steps=4, guidance=1.0,
+                               scheduler=euler_simple_scheduler(shift=5.0))
     _same_weights(family._states["transformer"], pipe.transformer)
     _same_weights(family._states["transformer_2"], pipe.transformer_2)
     _close(ours, ref)
-    only_high = _sample(family, embeddings, [LoraSpec(str(high), 0.9)])
+    only_high = _sample(family, embeddings, [LoraSpec(str(high), 0.9)], **lightx2v)
     assert np.abs(only_high - ours).max() > 100 * TOL  # the low-noise expert's LoRA did change the video
 
 

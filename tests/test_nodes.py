@@ -14,11 +14,13 @@ from tpu_runtime.errors import Interrupted
 EXPECTED = {
     "TPUCogVideoXLoader": ("TPU_COGVIDEOX_MODEL",),
     "TPUCogVideoXTextEncode": ("TPU_COGVIDEOX_EMBEDS",),
+    "TPUCogVideoXLoRA": ("TPU_COGVIDEOX_MODEL",),
     "TPUCogVideoXSampler": ("LATENT",),
     "TPUCogVideoXDecode": ("IMAGE",),
     "TPUWanLoader": ("TPU_WAN_MODEL",),
     "TPUWanModelFilesLoader": ("TPU_WAN_MODEL",),
     "TPUWanTextEncode": ("TPU_WAN_EMBEDS",),
+    "TPUWanLoRA": ("TPU_WAN_MODEL",),
     "TPUWanSampler": ("LATENT",),
     "TPUWanDecode": ("IMAGE",),
 }
@@ -153,7 +155,7 @@ def fake_comfy_folders(tmp_path, monkeypatch):
 
     models = tmp_path / "ComfyUI" / "models"
     extra = tmp_path / "shared_models" / "diffusers"
-    kinds = ("diffusion_models", "text_encoders", "vae")
+    kinds = ("diffusion_models", "text_encoders", "vae", "loras")
     for p in (models / "diffusers", models / "CogVideo", extra, *(models / k for k in kinds)):
         p.mkdir(parents=True)
     registry = {"diffusers": ([str(models / "diffusers"), str(extra)], set())}
@@ -314,3 +316,36 @@ def test_wan_loader_lists_wan_folders_only(pack, tiny_wan, tiny_models, fake_com
     assert pack.NODE_CLASS_MAPPINGS["TPUWanLoader"].INPUT_TYPES()["required"]["model"][0] == \
         ["Wan2.1-T2V-1.3B-Diffusers"]
     assert pack.NODE_CLASS_MAPPINGS["TPUCogVideoXLoader"].INPUT_TYPES()["required"]["model"][0] == ["CogVideoX-2b"]
+
+
+def test_wan_lora_nodes_chain_per_expert_and_leave_no_trace(pack, tiny_wan, fake_comfy_folders):
+    """LoRA nodes chained between loader and sampler, one per expert of Wan 2.2 A14B, listing models/loras: the
+    frames equal diffusers with the same LoRAs fused; the same loaded model without them samples as before."""
+    from diffusers import WanPipeline
+    from oracle import lora_frames, wan_frames
+
+    from tpu_runtime.errors import InputError
+    from tpu_runtime.tiny import build_tiny_lora
+
+    models, _ = fake_comfy_folders
+    folder = tiny_wan["2.2-A14B"]
+    build_tiny_lora(folder / "transformer", models / "loras" / "high.safetensors", "comfy", seed=11)
+    build_tiny_lora(folder / "transformer_2", models / "loras" / "low.safetensors", "comfy_ab", seed=12)
+    node = pack.NODE_CLASS_MAPPINGS["TPUWanLoRA"]
+    inputs = node.INPUT_TYPES()
+    assert inputs["required"]["lora_name"][0] == ["high.safetensors", "low.safetensors"]
+    assert inputs["optional"]["expert"][0] == ["both", "high noise", "low noise"]
+    (model,) = pack.NODE_CLASS_MAPPINGS["TPUWanLoader"]().load("", "float32", model_path=str(folder))
+    (with_high,) = node().apply(model, "high.safetensors", 0.8, expert="high noise")
+    (with_both,) = node().apply(with_high, "low.safetensors", 0.6, expert="low noise")
+    _, image = _wan_chain(pack, with_both)
+    ref, _ = lora_frames(WanPipeline, folder, [(models / "loras" / "high.safetensors", 0.8)],
+                         [(models / "loras" / "low.safetensors", 0.6)], prompt=PROMPT, negative_prompt=NEGATIVE,
+                         height=64, width=64, num_frames=9, num_inference_steps=3, guidance_scale=5.0, seed=4)
+    assert np.abs(image.numpy() - ref).max() < 1e-4
+    _, plain = _wan_chain(pack, model)  # the loader's output, no LoRA node: the LoRAs come off again
+    assert np.abs(plain.numpy() - wan_frames(folder, PROMPT, NEGATIVE, 64, 64, 9, 3, 5.0, 4)).max() < 1e-4
+
+    (single,) = pack.NODE_CLASS_MAPPINGS["TPUWanLoader"]().load("", "float32", model_path=str(tiny_wan["2.1"]))
+    with pytest.raises(InputError, match="one transformer"):
+        node().apply(single, "high.safetensors", 1.0, expert="low noise")

@@ -8,14 +8,14 @@ import pytest
 import torch
 from conftest import ROOT, SIZES
 
-from tpu_runtime.tiny import export_comfy_files
+from tpu_runtime.tiny import build_tiny_lora, export_comfy_files
 from tpu_runtime.video import read_mp4, write_mp4
 
 WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
 GENERATION = {"cogvideox_2b_t2v_tpu.json": "2b", "cogvideox_5b_t2v_tpu.json": "5b",
               "cogvideox1.5_5b_t2v_tpu.json": "1.5", "wan2.1_t2v_1.3B_tpu.json": "wan-2.1-1.3B",
               "wan2.1_t2v_14B_tpu.json": "wan-2.1-14B", "wan2.2_t2v_a14b_tpu.json": "wan-2.2-A14B",
-              "wan2.2_ti2v_5b_tpu.json": "wan-2.2-TI2V-5B"}
+              "wan2.2_t2v_a14b_lightx2v_4steps_tpu.json": "wan-2.2-A14B", "wan2.2_ti2v_5b_tpu.json": "wan-2.2-TI2V-5B"}
 NATIVE = {"2b": (720, 480, 49), "5b": (720, 480, 49), "1.5": (1360, 768, 81), "wan-2.1-1.3B": (832, 480, 81),
           "wan-2.1-14B": (1280, 720, 81), "wan-2.2-A14B": (1280, 720, 81), "wan-2.2-TI2V-5B": (1280, 704, 121)}
 TINY_WAN = {"wan-2.1-1.3B": "2.1", "wan-2.1-14B": "2.1", "wan-2.2-A14B": "2.2-A14B", "wan-2.2-TI2V-5B": "2.2-TI2V-5B"}
@@ -33,7 +33,8 @@ CORE_NODES = {
 }
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
 # Lists of the user's downloads: any name is valid.
-DYNAMIC_COMBOS = {("TPUCogVideoXLoader", "model"), ("TPUWanLoader", "model"),
+DYNAMIC_COMBOS = {("TPUCogVideoXLoader", "model"), ("TPUWanLoader", "model"), ("TPUWanLoRA", "lora_name"),
+                  ("TPUCogVideoXLoRA", "lora_name"),
                   *(("TPUWanModelFilesLoader", n)
                     for n in ("diffusion_model", "diffusion_model_2", "text_encoder", "vae"))}
 
@@ -136,8 +137,12 @@ def test_workflow_runs_headlessly_on_a_tiny_model(path, node_defs, tiny_models, 
             kwargs.update(diffusion_model=str(files["transformer"]), text_encoder=str(files["text_encoder"]),
                           vae=str(files["vae"]), dtype="float32",
                           diffusion_model_2=str(files.get("transformer_2", "none")))
+        if kind == "TPUWanLoRA":  # a LoRA of the same format for the tiny model, for the expert it names
+            expert = "transformer_2" if kwargs["expert"] == "low noise" else "transformer"
+            kwargs["lora_name"] = str(build_tiny_lora(tiny_wan[TINY_WAN[gen]] / expert,
+                                                      tmp_path / "loras" / kwargs["lora_name"], "comfy"))
         if kind in SAMPLERS:
-            kwargs.update(width=width, height=height, frames=frames, steps=2)
+            kwargs.update(width=width, height=height, frames=frames, steps=min(kwargs["steps"], 2))
         if kind == "CreateVideo":
             results[node["id"]] = ((kwargs["images"], kwargs["fps"]),)
             continue

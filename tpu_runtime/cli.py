@@ -47,8 +47,9 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool = False) -> None:
     p.add_argument("--guidance", type=float, help="CFG scale; 1 or less turns CFG off (default: 6 CogVideoX, "
                    "5 Wan)")
     p.add_argument("--seed", type=int, default=0, help="same seed, same video as diffusers with this seed")
-    p.add_argument("--scheduler", choices=["ddim", "dpm", "unipc", "euler"],
-                   help="CogVideoX: ddim|dpm; Wan: unipc|euler (flow matching); default: the model's")
+    p.add_argument("--scheduler", choices=["ddim", "dpm", "unipc", "euler", "euler_simple"],
+                   help="CogVideoX: ddim|dpm; Wan: unipc|euler|euler_simple (flow matching; euler_simple: "
+                   "ComfyUI's simple spacing, for the 4-step lightx2v LoRAs); default: the model's")
     p.add_argument("--dynamic-cfg", action="store_true", help="CogVideoX's cosine guidance schedule")
     p.add_argument("--shift", type=float, help="Wan: flow shift (default: the model's scheduler config)")
     p.add_argument("--guidance-2", type=float, help="Wan 2.2 A14B: guidance of the low-noise expert "

@@ -187,3 +187,20 @@ def linear_plan(scheduler, steps: int) -> LinearStepPlan:
         shadow.step(zero.clone(), t, zero.clone(), return_dict=False)
     round_to_model_dtype = type(scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
     return LinearStepPlan(timesteps.to(torch.float32).numpy(), matrices, k, round_to_model_dtype)
+
+
+def euler_simple_scheduler(num_train_timesteps: int = 1000, shift: float = 1.0):
+    """diffusers' flow-matching Euler with ComfyUI's "simple" spacing: sigmas 1, 1 - 1/N, ..., 1/N (then shifted)
+    instead of diffusers' ``linspace(1, 1/1000, N)``. The few-step distillation LoRAs (lightx2v) are trained on
+    this spacing: 4 steps at shift 5 are the timesteps 1000, 937.5, 833.3, 625 of their cards. Every step is
+    diffusers' own ``step``; only ``set_timesteps`` passes the sigmas."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    class FlowMatchEulerSimpleScheduler(FlowMatchEulerDiscreteScheduler):
+        def set_timesteps(self, num_inference_steps=None, device=None, **kwargs):
+            if num_inference_steps is not None and "sigmas" not in kwargs:
+                kwargs["sigmas"] = np.linspace(1.0, 0.0, num_inference_steps + 1)[:-1].tolist()
+                num_inference_steps = None
+            return super().set_timesteps(num_inference_steps, device=device, **kwargs)
+
+    return FlowMatchEulerSimpleScheduler(num_train_timesteps=num_train_timesteps, shift=shift)

@@ -47,14 +47,14 @@ from .family import (
     size_problems,
 )
 from .runtime import Runtime
-from .schedulers import linear_plan
+from .schedulers import euler_simple_scheduler, linear_plan
 from .sharding import UMT5_ENCODER_RULES, VAE_RULES, WAN_TRANSFORMER_RULES, MeshSpec
 
 log = logging.getLogger(__name__)
 
 FAMILY = "wan"
 TEXT_LEN = 512  # diffusers' WanPipeline max_sequence_length
-SCHEDULERS = ("unipc", "euler")
+SCHEDULERS = ("unipc", "euler", "euler_simple")
 COMPONENTS = ("scheduler", "text_encoder", "tokenizer", "transformer", "vae")
 # Scheduler of the released models (diffusers' conversion script): flow-matching UniPC, shift per generation.
 DEFAULT_SCHEDULER = {
@@ -305,6 +305,8 @@ class WanFamily(ModelFamily):
         if name == "euler":
             return diffusers.FlowMatchEulerDiscreteScheduler(
                 num_train_timesteps=int(config.get("num_train_timesteps", 1000)), shift=shift)
+        if name == "euler_simple":
+            return euler_simple_scheduler(int(config.get("num_train_timesteps", 1000)), shift)
         raise InputError(f"scheduler {name!r} is not one Wan uses: pick one of {list(SCHEDULERS)}")
 
     # --- facts ---------------------------------------------------------------------------------------------------
