@@ -84,8 +84,7 @@ def run_bench(model: str | None, generation: str, height: int, width: int, frame
     family_name = family.FAMILY
     req.guidance = family.DEFAULT_GUIDANCE
     result = {
-        "machine": {"platform": platform.platform(), "processor": platform.machine(), "backend": runtime.backend,
-                    "devices": len(runtime.devices), "device_kind": runtime.devices[0].device_kind},
+        "machine": _machine(runtime),
         "model": f"tiny random-weight {family.FAMILY_NAME}-{family.generation}" if tiny else str(model_path),
         "family": family_name,
         "request": {"height": height, "width": width, "frames": frames, "steps": steps, "dtype": dtype},
@@ -210,7 +209,7 @@ def bench_single_file_load(size_mb: int, dtypes=("bfloat16", "float32")) -> dict
     from diffusers import WanTransformer3DModel
     from safetensors.torch import save_file
 
-    from .tiny import wan_transformer_to_original
+    from .wan_files import wan_transformer_to_original
 
     work = Path(tempfile.mkdtemp(prefix="tpu_video_load_"))
     dim, ffn = 1536, 8960  # Wan 2.1 1.3B's width; layers chosen for the size
@@ -232,6 +231,76 @@ def bench_single_file_load(size_mb: int, dtypes=("bfloat16", "float32")) -> dict
         out[dtype] = json.loads(proc.stdout.strip().splitlines()[-1])
     path.unlink()
     return out
+
+
+def _machine(runtime=None) -> dict:
+    from .runtime import get_runtime
+
+    runtime = runtime or get_runtime()
+    return {"platform": platform.platform(), "processor": platform.machine(), "backend": runtime.backend,
+            "devices": len(runtime.devices), "device_kind": runtime.devices[0].device_kind}
+
+
+def bench_lora_merge(widths=(256, 512, 1024), ranks=(4, 32, 128), layers: int = 4, repeats: int = 3) -> dict:
+    """Time merging a LoRA into tiny random Wan transformers of several widths (every attention and feed-forward
+    linear of every block, the way the distillation LoRAs touch them) at several ranks: the first merge (file
+    read, host copy of the loaded weights, merge programs compiled) and a change of strength (no compile)."""
+    import numpy as np
+
+    from .lora import LoraSpec
+    from .runtime import compile_stats
+    from .tiny import TinyWanSpec, build_tiny_lora, build_tiny_wan
+    from .wan import WanFamily
+
+    work = Path(tempfile.mkdtemp(prefix="tpu_video_lora_"))
+    rows = []
+    for width in widths:
+        folder = build_tiny_wan(work / f"wan_{width}", "2.1", spec=TinyWanSpec(heads=width // 128, layers=layers,
+                                                                                ffn=4 * width))
+        family = WanFamily(folder, dtype="float32")
+        family._component("transformer")
+        state = family._states["transformer"]
+        for rank in ranks:
+            path = build_tiny_lora(folder / "transformer", work / f"lora_{width}_{rank}.safetensors", "comfy",
+                                   rank=rank)
+            family.apply_loras({"transformer": ()})
+            family._loras.clear()  # a fresh start: no host copies yet
+            before = compile_stats()
+            start = time.perf_counter()
+            family.apply_loras({"transformer": (LoraSpec(str(path), 1.0),)})
+            first = time.perf_counter() - start
+            compiles = compile_stats().since(before).xla_compiles
+            changes = []
+            for i in range(repeats):
+                start = time.perf_counter()
+                family.apply_loras({"transformer": (LoraSpec(str(path), 0.5 + 0.1 * i),)})
+                changes.append(time.perf_counter() - start)
+            touched = family._loras["transformer"].touched
+            rows.append({"width": width, "rank": rank, "layers": layers, "weights_merged": len(touched),
+                         "merged_params": int(sum(np.prod(state[n].shape) for n in touched)),
+                         "lora_params": int(sum(t.numel() for t in _lora_tensors(path))),
+                         "first_merge_s": first, "first_merge_compiles": compiles,
+                         "strength_change_s_median": statistics.median(changes)})
+        family.release()
+    return {"machine": _machine(), "rows": rows}
+
+
+def _lora_tensors(path: Path):
+    from safetensors.torch import load_file
+
+    return [t for k, t in load_file(str(path)).items() if not k.endswith(".alpha")]
+
+
+def print_lora_table(r: dict) -> None:
+    m = r["machine"]
+    print(f"\nLoRA merge on tiny Wan transformers (all attention and feed-forward linears), "
+          f"JAX {m['backend']} x{m['devices']}, float32")
+    print(f"  {'width':>6} {'rank':>5} {'weights':>8} {'merged Mparams':>15} {'LoRA Mparams':>13} "
+          f"{'first merge s':>14} {'compiles':>9} {'new strength s':>15}")
+    for x in r["rows"]:
+        print(f"  {x['width']:>6} {x['rank']:>5} {x['weights_merged']:>8} {x['merged_params'] / 1e6:>15.2f} "
+              f"{x['lora_params'] / 1e6:>13.3f} {x['first_merge_s']:>14.3f} {x['first_merge_compiles']:>9} "
+              f"{x['strength_change_s_median']:>15.3f}")
 
 
 # --- output ------------------------------------------------------------------------------------------------------
@@ -292,6 +361,8 @@ def add_args(p) -> None:
     p.add_argument("--repeats", type=int, default=2, help="warm runs after the cold one")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     p.add_argument("--load-file-mb", type=int, help="instead: time loading a single-file Wan transformer of this size")
+    p.add_argument("--lora-merge", action="store_true", help="instead: time merging LoRAs of several ranks into tiny "
+                   "Wan transformers of several widths")
     p.add_argument("--json", help="also write the results here")
 
 
@@ -299,6 +370,9 @@ def main(args) -> int:
     if args.load_file_mb:
         r = bench_single_file_load(args.load_file_mb)
         print_load_table(r)
+    elif args.lora_merge:
+        r = bench_lora_merge()
+        print_lora_table(r)
     else:
         frames = args.frames or (17 if args.generation == "1.5" else 9)
         width = args.width or (96 if GENERATIONS[args.generation] == "cogvideox" and args.generation != "1.5" else 64)
