@@ -115,32 +115,34 @@ def test_bfloat16_runs_close_to_float32(tiny_wan, tmp_path, generation):
 
 
 @pytest.mark.parametrize("generation", ["2.1", "2.2-TI2V-5B"])
-def test_scanned_vae_decode_matches_diffusers(tiny_wan, generation):
-    """The memory-bounded decode (latent frames from the third on as one lax.scan, the default on TPU and GPU)
-    gives diffusers' ``vae.decode`` frames, for the Wan 2.1 VAE and the 2.2 VAE (patchified, other upsamplers)."""
+def test_frame_by_frame_vae_decode_matches_diffusers(tiny_wan, generation):
+    """The memory-bounded decode (the default on TPU and GPU: the first two latent frames in one program, then
+    one call per later frame with the causal caches kept on the devices) gives diffusers' ``vae.decode`` frames,
+    for the Wan 2.1 VAE and the 2.2 VAE (patchified, other upsamplers); two programs per size, whatever the frame
+    count."""
     from diffusers import AutoencoderKLWan
 
     from tpu_runtime.family import VideoLatents
-    from tpu_runtime.runtime import lower
+    from tpu_runtime.runtime import compile_stats
     from tpu_runtime.wan import WanFamily
 
     family = WanFamily(tiny_wan[generation], dtype="float32")
-    family.decode_loop = "scan"
-    spatial = family.vae_scale_spatial
-    latent_frames = 5  # 2 frames before the scan, 3 in it
-    z = torch.randn(1, family.vae_config["z_dim"], latent_frames, 64 // spatial, 64 // spatial,
-                    generator=torch.Generator().manual_seed(3))
-    frames = (latent_frames - 1) * family.vae_scale_temporal + 1
-    ours = family.decode(VideoLatents(z, 64, 64, frames, family.signature)).numpy()
-    program = family.decode_program(tuple(z.shape))
-    with program.scope():
-        assert "stablehlo.while" in lower(program.fn, *program.example).as_text()  # really a loop, not unrolled
-
+    family.decode_loop = "frames"
     vae = AutoencoderKLWan.from_pretrained(tiny_wan[generation] / "vae").float().eval()
     mean, std_inv = family._latent_statistics()
-    with torch.no_grad():
-        ref = vae.decode(z / std_inv + mean, return_dict=False)[0]
-    ref = (ref * 0.5 + 0.5).clamp(0, 1)[0].permute(1, 2, 3, 0).numpy()
-    assert ours.shape == ref.shape == (frames, 64, 64, 3)
-    assert ref.std() > 0.01
-    assert np.abs(ours - ref).max() < 1e-5
+    spatial = family.vae_scale_spatial
+    for latent_frames in (5, 7):  # 2 frames in the first program, then 3 (5) calls of the second
+        z = torch.randn(1, family.vae_config["z_dim"], latent_frames, 64 // spatial, 64 // spatial,
+                        generator=torch.Generator().manual_seed(latent_frames))
+        frames = (latent_frames - 1) * family.vae_scale_temporal + 1
+        before = compile_stats()
+        ours = family.decode(VideoLatents(z, 64, 64, frames, family.signature)).numpy()
+        compiled = compile_stats().since(before).xla_compiles
+        with torch.no_grad():
+            ref = vae.decode(z / std_inv + mean, return_dict=False)[0]
+        ref = (ref * 0.5 + 0.5).clamp(0, 1)[0].permute(1, 2, 3, 0).numpy()
+        assert ours.shape == ref.shape == (frames, 64, 64, 3)
+        assert ref.std() > 0.01
+        assert np.abs(ours - ref).max() < 1e-5
+        assert [p.part for p in family.decode_programs(tuple(z.shape))] == ["start", "frame"]
+        assert compiled == 2

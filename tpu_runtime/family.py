@@ -91,7 +91,7 @@ class StageProgram:
     """One stage's program as the runtime compiles it. ``example`` holds the weights' states as placed (or their
     shape structs when planning) and every other input as a ``jax.ShapeDtypeStruct`` placed on the mesh;
     ``scope`` is what tracing needs around it (attention settings, module replacements); ``components`` names the
-    weights it reads."""
+    weights it reads; ``part`` tells apart the programs of a stage that has several (Wan's frame-by-frame decode)."""
 
     stage: str
     fn: Callable
@@ -100,6 +100,11 @@ class StageProgram:
     describe: str
     scope: Callable[[], contextlib.AbstractContextManager]
     components: tuple[str, ...]
+    part: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.stage}_{self.part}" if self.part else self.stage
 
 
 @dataclass

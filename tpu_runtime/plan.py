@@ -378,15 +378,15 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
 
 
 def _plan_mesh(family, settings: SampleSettings, stages, topo: Topology) -> MeshReport:
-    programs = {p.stage: p for p in family.plan_programs(settings)}
-    components = sorted({c for p in programs.values() for c in p.components})
+    programs = family.plan_programs(settings)
+    components = sorted({c for p in programs for c in p.components})
     weights = {c: shard_bytes(family._states[c]) for c in components}
     report = MeshReport(str(family.mesh_spec), False, sum(weights.values()), 0)
     for stage in stages:
-        program = programs[stage]
-        log.info("compiling %s for %s, mesh %s", program.describe, topo, family.mesh_spec)
-        # The program receives one component's weights (Wan 2.2's experts take turns with the same program).
-        report.stages[stage] = compile_program(program, topo)
+        for program in (p for p in programs if p.stage == stage):  # a stage may have several (Wan's decode)
+            log.info("compiling %s for %s, mesh %s", program.describe, topo, family.mesh_spec)
+            # The program receives one component's weights (Wan 2.2's experts take turns with the same program).
+            report.stages[program.name] = compile_program(program, topo)
     # Every component stays on the devices between stages; each stage adds its inputs, outputs and temporaries.
     extra = [max(0, r.total_bytes_per_chip - r.weights_bytes_per_chip) for r in report.stages.values()]
     report.peak_bytes_per_chip = report.resident_weights_bytes_per_chip + max(extra, default=0)
@@ -404,11 +404,11 @@ def suggestions(source: ModelSource, family, report: MeshReport, topo: Topology,
     activations = max((max(0, r.total_bytes_per_chip - r.weights_bytes_per_chip) for r in report.stages.values()),
                       default=0)
     out = []
-    decode = report.stages.get("decode")
-    decode_short = decode is not None and (_out_of_hbm(decode) or decode.total_bytes_per_chip > hbm)
+    decodes = [r for name, r in report.stages.items() if name.startswith("decode")]
+    decode_short = any(_out_of_hbm(r) or r.total_bytes_per_chip > hbm for r in decodes)
     if decode_short and family.vae_sharding == "replicated" and family.mesh_spec.devices > 1:
         out.append("--vae-sharding width: splits the decode's activations over every chip")
-    others = [r for name, r in report.stages.items() if name != "decode"]
+    others = [r for name, r in report.stages.items() if not name.startswith("decode")]
     if decode_short and all(r.compiled and r.total_bytes_per_chip <= hbm for r in others) \
             and report.resident_weights_bytes_per_chip + activations <= hbm:
         return out  # only the decode is short of memory: the weights' options below would not help

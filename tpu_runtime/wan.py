@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .attention import AttentionConfig, attention_scope
@@ -520,7 +521,7 @@ class WanFamily(ModelFamily):
         self.check_cfg_mesh(cfg)
         plan = linear_plan(self.scheduler(s.scheduler, s.shift), s.steps)
         return [self.encode_program(), self.sample_program(s.height, s.width, s.num_frames, cfg, plan),
-                self.decode_program(self.latent_shape(s.height, s.width, s.num_frames))]
+                *self.decode_programs(self.latent_shape(s.height, s.width, s.num_frames))]
 
     # --- stage 3: decode ---------------------------------------------------------------------------------------
     def decode(self, latents: VideoLatents, tiling: bool = False, group_norm: str = "stock") -> torch.Tensor:
@@ -540,12 +541,21 @@ class WanFamily(ModelFamily):
         if z.ndim != 5 or z.shape[0] != 1 or z.shape[1] != channels:
             raise StageFileError(f"latents have shape {tuple(z.shape)}; this model's VAE decodes "
                                  f"[1, {channels}, T, H/{self.vae_scale_spatial}, W/{self.vae_scale_spatial}]")
-        program = self.decode_program(tuple(z.shape))
-        executable = self.compile_stage(program)
+        programs = self.decode_programs(tuple(z.shape))
+        executables = [self.compile_stage(p) for p in programs]
+        state = programs[0].example[0]
         z_dev = self.put(z.float(), self._vae_input_spec(z.shape))
-        mean, std_inv = self._latent_statistics()
+        mean, std_inv = (self.put(t) for t in self._latent_statistics())
         start = time.perf_counter()
-        frames = self.runtime.to_cpu(executable(program.example[0], z_dev, self.put(mean), self.put(std_inv)))
+        if len(programs) == 1 and programs[0].part == "":  # unrolled: one program for every frame
+            frames = self.runtime.to_cpu(executables[0](state, z_dev, mean, std_inv))
+        else:  # the first two latent frames, then one call per later frame, the causal caches kept on the devices
+            x, first, caches = executables[0](state, z_dev, mean, std_inv)
+            parts = [self.runtime.to_cpu(first)]
+            for i in range(2, z.shape[2]):
+                out, caches = executables[1](state, x, self.put(np.array(i, np.int32)), caches)
+                parts.append(self.runtime.to_cpu(out))
+            frames = torch.cat(parts)
         self._record_run("decode", start)
         return frames
 
@@ -556,47 +566,38 @@ class WanFamily(ModelFamily):
         std_inv = 1.0 / torch.tensor(self.vae_config["latents_std"], dtype=torch.float32).view(1, channels, 1, 1, 1)
         return mean, std_inv
 
-    #: How the per-frame causal decode runs inside its compiled program. "unrolled": one copy of the decoder per
-    #: latent frame (the fastest decode on XLA:CPU, but its compile grows with the frames and the TPU compiler
-    #: keeps far more than one frame's activations live: the Wan 2.1 VAE at 480x832x81 needed 32 GB a chip).
-    #: "scan": the frames from the third on run as one ``jax.lax.scan`` over the decoder (its causal caches have
-    #: fixed shapes from there), so memory is bounded by one frame and the compile does not grow with the frames.
-    #: "auto": unrolled on CPU, scan on TPU and GPU.
-    decode_loop = "auto"
+    #: How diffusers' per-frame causal decode runs. "frames" (the default): two small programs, the first two
+    #: latent frames (which give every causal cache its steady shape) and one later frame, called once per frame
+    #: with the caches kept on the devices: memory bounded by one frame, a compile that does not grow with the
+    #: frame count, each frame's pixels copied to the host as it is made. "unrolled": one program holding a copy
+    #: of the decoder per latent frame; its compile grows with the frames, and the TPU compiler keeps far more
+    #: than one frame's activations live (the Wan 2.1 VAE at 480x832x81 needed 32 GB a chip).
+    decode_loop = "frames"
 
     def _resolved_decode_loop(self) -> str:
-        if self.decode_loop not in ("auto", "unrolled", "scan"):
-            raise InputError(f"decode_loop {self.decode_loop!r} is not one of auto, unrolled, scan")
-        if self.decode_loop == "auto":
-            return "unrolled" if self.devices[0].platform == "cpu" else "scan"
+        if self.decode_loop not in ("unrolled", "frames"):
+            raise InputError(f"decode_loop {self.decode_loop!r} is not one of frames, unrolled")
         return self.decode_loop
 
-    def decode_program(self, z_shape: tuple[int, ...]) -> StageProgram:
-        """De-normalise latents ``[1, C, T, h, w]`` and decode them, one latent frame at a time as diffusers does,
-        to frames ``[F, H, W, 3]`` in 0..1."""
+    def decode_programs(self, z_shape: tuple[int, ...]) -> list[StageProgram]:
+        """The programs that de-normalise latents ``[1, C, T, h, w]`` and decode them, one latent frame at a time
+        as diffusers does, to frames ``[F, H, W, 3]`` in 0..1: one program (unrolled), or the first two frames'
+        program and, for T > 2, the later frames' program (``decode_loop``)."""
+        import jax
         import jax.numpy as jnp
 
         vae = self._component("vae")
         loop = self._resolved_decode_loop()
-        if loop == "scan":
-            decode = _scanned_decode(self.runtime, vae)
-        else:
-            decode_fn = self.runtime.module_function(vae, "decode")
-
-            def decode(state, z):
-                return decode_fn(state, z, return_dict=False)[0]
         dtype = jax_dtype(self.dtype)
-
-        def frames_fn(state, z, mean, std_inv):
-            z = (z / std_inv + mean).astype(dtype)  # diffusers: latents / (1 / std) + mean
-            video = decode(state, z)
-            video = jnp.clip(video.astype(jnp.float32) * 0.5 + 0.5, 0.0, 1.0)
-            return jnp.transpose(video[0], (1, 2, 3, 0))
 
         @contextlib.contextmanager
         def scope():
             with self.traced(), _wan_vae_for_xla(vae):
                 yield
+
+        def to_frames(video):  # [1, 3, F, H, W] in -1..1 -> [F, H, W, 3] in 0..1
+            video = jnp.clip(video.astype(jnp.float32) * 0.5 + 0.5, 0.0, 1.0)
+            return jnp.transpose(video[0], (1, 2, 3, 0))
 
         stats = (1, z_shape[1], 1, 1, 1)
         f32 = torch.float32
@@ -604,18 +605,60 @@ class WanFamily(ModelFamily):
                    self.arg(stats, f32))
         frames = (z_shape[2] - 1) * self.vae_scale_temporal + 1
         height, width = z_shape[3] * self.vae_scale_spatial, z_shape[4] * self.vae_scale_spatial
-        return StageProgram("decode", frames_fn, example, (tuple(z_shape), self.vae_sharding, loop),
-                            f"Wan VAE decode for {frames}x{height}x{width} ({loop} over latent frames)", scope,
-                            ("vae",))
+        what = f"Wan VAE decode for {frames}x{height}x{width}"
+        key = (tuple(z_shape), self.vae_sharding, loop)
+        if loop == "unrolled":
+            decode_fn = self.runtime.module_function(vae, "decode")
+
+            def frames_fn(state, z, mean, std_inv):
+                z = (z / std_inv + mean).astype(dtype)  # diffusers: latents / (1 / std) + mean
+                return to_frames(decode_fn(state, z, return_dict=False)[0])
+
+            return [StageProgram("decode", frames_fn, example, key, what, scope, ("vae",))]
+
+        post_quant, step = _frame_functions(self.runtime, vae)
+
+        def keep(value):  # x and the caches stay placed as the later-frame program takes them
+            spec = self._vae_input_spec(value.shape)
+            return jax.lax.with_sharding_constraint(value, self.runtime.sharding(self.mesh, spec))
+
+        def start_fn(state, z, mean, std_inv):
+            x = post_quant(state, (z / std_inv + mean).astype(dtype))
+            outs, caches = [], None
+            for i in range(min(x.shape[2], 2)):
+                out, caches = step(state, x[:, :, i:i + 1], caches, i == 0)
+                outs.append(out)
+            if not all(c is None or isinstance(c, jax.Array) for c in caches):  # None: a cache never used
+                raise RuntimeError("the Wan VAE's causal caches are not all tensors after two frames: decode it "
+                                   "unrolled (decode_loop = 'unrolled')")
+            return keep(x), to_frames(jnp.concatenate(outs, axis=2)), [c if c is None else keep(c) for c in caches]
+
+        first = StageProgram("decode", start_fn, example, key + ("start",),
+                             f"{what}: the first two latent frames", scope, ("vae",), part="start")
+        if z_shape[2] <= 2:
+            return [first]
+        with scope():
+            x_struct, _, cache_structs = jax.eval_shape(start_fn, *example)
+
+        def placed(struct):
+            return None if struct is None else self.arg(struct.shape, struct.dtype, self._vae_input_spec(struct.shape))
+
+        def frame_fn(state, x, index, caches):
+            x_frame = jax.lax.dynamic_slice_in_dim(x, index, 1, axis=2)
+            out, caches = step(state, x_frame, caches, False)
+            return to_frames(out), [c if c is None else keep(c) for c in caches]
+
+        frame_example = (self._states["vae"], placed(x_struct), self.arg((), jnp.int32),
+                         [placed(c) for c in cache_structs])
+        later = StageProgram("decode", frame_fn, frame_example, key + ("frame",),
+                             f"{what}: each later latent frame", scope, ("vae",), part="frame")
+        return [first, later]
 
 
-def _scanned_decode(runtime: Runtime, vae: torch.nn.Module) -> Callable:
-    """``decode(state, z)`` computing what ``vae.decode(z)`` does (diffusers' per-frame causal decode), with the
-    latent frames from the third on run as one ``jax.lax.scan``: the first frame fills the causal caches, the
-    second gives every cache its steady two-frame shape (the first chunk's upsampling writes a marker, not a
-    tensor), and every later frame maps (caches, frame) to (caches, output frames) with the same shapes."""
-    import jax
-    import jax.numpy as jnp
+def _frame_functions(runtime: Runtime, vae: torch.nn.Module) -> tuple[Callable, Callable]:
+    """Over jax values: ``post_quant(state, z)`` and ``step(state, x_frame, caches, first_chunk) -> (pixels,
+    caches)``, one latent frame of diffusers' causal decode (``vae._decode``'s loop body) with its conv caches as
+    explicit values (``None`` before the first frame)."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, unpatchify
 
     cache_count = sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
@@ -623,39 +666,12 @@ def _scanned_decode(runtime: Runtime, vae: torch.nn.Module) -> Callable:
     def frame(module, x, caches, first_chunk):
         feat = list(caches) if caches is not None else [None] * cache_count
         out = module.decoder(x, feat_cache=feat, feat_idx=[0], first_chunk=first_chunk)
-        return out, feat
-
-    def finish(module, out):
         if module.config.patch_size is not None:
             out = unpatchify(out, patch_size=module.config.patch_size)
-        return torch.clamp(out, min=-1.0, max=1.0)
+        return torch.clamp(out, min=-1.0, max=1.0), feat
 
     post_quant = runtime.module_function(vae, lambda module, z: module.post_quant_conv(z))
-    step = runtime.module_function(vae, frame)
-    finish_fn = runtime.module_function(vae, finish)
-
-    def decode(state, z):
-        x = post_quant(state, z)
-        count = x.shape[2]
-        outs, caches = [], None
-        for i in range(min(count, 2)):
-            out, caches = step(state, x[:, :, i:i + 1], caches, i == 0)
-            outs.append(out)
-        if count > 2:
-            if not all(c is None or isinstance(c, jax.Array) for c in caches):  # None: a cache never used
-                raise RuntimeError("the Wan VAE's causal caches are not all tensors after two frames; this VAE "
-                                   "cannot be decoded as a scan (set decode_loop = 'unrolled')")
-
-            def body(carry, x_frame):
-                out, carry = step(state, x_frame[:, :, None], carry, False)
-                return list(carry), out
-
-            _, ys = jax.lax.scan(body, list(caches), jnp.moveaxis(x[:, :, 2:], 2, 0))
-            _, b, c, t, h, w = ys.shape  # [frames, batch, channels, outputs per frame, height, width]
-            outs.append(jnp.moveaxis(ys, 0, 2).reshape(b, c, (count - 2) * t, h, w))
-        return finish_fn(state, jnp.concatenate(outs, axis=2))
-
-    return decode
+    return post_quant, runtime.module_function(vae, frame)
 
 
 def _wan_vae_for_xla(vae: torch.nn.Module):
