@@ -220,3 +220,25 @@ def test_lora_argument_parsing():
     assert parse_lora(r"C:\loras\style.safetensors") == LoraSpec(r"C:\loras\style.safetensors", 1.0)
     with pytest.raises(InputError, match="finite"):
         LoraSpec("a.safetensors", float("nan"))
+
+
+def test_cli_lora_options(wan21, tiny_wan, tmp_path, capsys):
+    """``--lora FILE:STRENGTH`` gives the frames of the same LoRA at that strength and is recorded in
+    generation_config.json; ``--lora-2`` on a one-transformer model exits 2 with a message."""
+    import json
+
+    from tpu_runtime import stage_files
+    from tpu_runtime.cli import main
+
+    family, embeddings = wan21
+    path = build_tiny_lora(tiny_wan["2.1"] / "transformer", tmp_path / "cli.safetensors", "musubi", seed=13)
+    args = ["generate", "--model", str(tiny_wan["2.1"]), "--prompt", PROMPT, "--negative-prompt", NEGATIVE,
+            "--height", str(H), "--width", str(W), "--frames", str(F), "--steps", str(STEPS), "--guidance", "5",
+            "--seed", "42", "--dtype", "float32"]
+    assert main(args + ["--lora", f"{path}:0.6", "--output-dir", str(tmp_path / "out")]) == 0
+    config = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert config["loras"] == [{"path": str(path), "strength": 0.6}]
+    ours = stage_files.load_frames(tmp_path / "out").numpy()
+    assert np.abs(ours - _sample(family, embeddings, [LoraSpec(str(path), 0.6)])).max() < TOL
+    assert main(args + ["--lora-2", str(path), "--output-dir", str(tmp_path / "bad")]) == 2
+    assert "two-expert" in capsys.readouterr().err
