@@ -221,7 +221,9 @@ def compile_program(program, topo: Topology) -> StageReport:
         report.error = "this machine ran out of host memory compiling it: plan on a machine with more memory"
         return report
     except Exception as exc:  # noqa: BLE001 - the compiler's own message is the report (e.g. HBM exhausted)
-        report.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:400]}"
+        # The compiler's first lines say what ran out and where (e.g. which fusion needs how much VMEM).
+        lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+        report.error = f"{type(exc).__name__}: {' '.join(lines[:4])[:800]}"
         report.compile_seconds = round(time.perf_counter() - start, 1)
         return report
     report.compile_seconds = round(time.perf_counter() - start, 1)
