@@ -6,6 +6,7 @@ generate  runs encode → sample → decode (or one of them, from the files of t
           loads from ComfyUI's single files (--transformer [--transformer-2] --text-encoder --vae).
 demo      builds a tiny random-weight CogVideoX or Wan model on the spot and runs generate on it.
 bench     times every stage and counts compiles against diffusers eager on the same weights (see bench.py).
+worker    joins a multi-host slice and runs what its first process (ComfyUI or generate) asks (see multihost.py).
 plan      compiles every stage for a TPU slice this machine does not have and reports per-chip memory, collectives,
           compile time and whether it fits (see plan.py).
 """
@@ -107,6 +108,15 @@ def main(argv: list[str] | None = None) -> int:
 
     plan.add_args(sub.add_parser("plan", help="compile every stage for a TPU slice (no TPU needed) and report "
                                  "per-chip memory and whether it fits"))
+    worker = sub.add_parser("worker", help="on every host of a multi-host slice but the first: join it and run "
+                            "what the first process (ComfyUI or generate, with TPU_VIDEO_MULTIHOST=1) asks")
+    worker.add_argument("--coordinator", help="host:port of the first process (default: $TPU_VIDEO_COORDINATOR; on a "
+                        "TPU VM JAX finds it)")
+    worker.add_argument("--processes", type=int, help="processes in the slice, one per host (default: "
+                        "$TPU_VIDEO_PROCESSES or JAX's TPU detection)")
+    worker.add_argument("--process-id", type=int, help="this host's index, 1.. (default: $TPU_VIDEO_PROCESS_ID or "
+                        "JAX's TPU detection)")
+    worker.add_argument("--cache-dir", help="persistent XLA compilation cache (default as for generate)")
     args = parser.parse_args(argv)
 
     verbose = getattr(args, "verbose", False)
@@ -122,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             return bench.main(args)
         if args.command == "plan":
             return plan.run(args)
+        if args.command == "worker":
+            return _worker(args)
         req = _request(args)
         config = generate(req)
         print_summary(config, req.stage)
@@ -130,6 +142,26 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from .errors import InputError
+    from .multihost import serve
+    from .runtime import get_runtime
+
+    if args.process_id == 0:
+        raise InputError("--process-id 0 is the first process: run ComfyUI or `generate` there with "
+                         "TPU_VIDEO_MULTIHOST=1, and `worker` on the other hosts")
+    os.environ["TPU_VIDEO_MULTIHOST"] = "1"
+    for flag, name in (("coordinator", "TPU_VIDEO_COORDINATOR"), ("processes", "TPU_VIDEO_PROCESSES"),
+                       ("process_id", "TPU_VIDEO_PROCESS_ID")):
+        if getattr(args, flag) is not None:
+            os.environ[name] = str(getattr(args, flag))
+    runtime = get_runtime(cache_dir=args.cache_dir)
+    if runtime.slice.is_driver:
+        raise InputError("this host is the slice's first process (id 0): run ComfyUI or `generate` here with "
+                         "TPU_VIDEO_MULTIHOST=1, and `worker` on the other hosts")
+    return serve(runtime, runtime.slice)
 
 
 DEMO_GENERATIONS = {  # generation -> (family, tiny builder argument, height, width, frames)

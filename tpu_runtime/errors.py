@@ -19,3 +19,7 @@ class StageFileError(InputError):
 
 class Interrupted(RuntimeError):
     """Sampling stopped at a step boundary because the user asked for it."""
+
+
+class SliceError(RuntimeError):
+    """A multi-host slice lost a process or fell out of step: the message names the host and what to restart."""

@@ -35,6 +35,7 @@ import torch
 from .attention import AttentionConfig, attention_scope, target_platform
 from .errors import InputError, Interrupted, StageFileError
 from .lora import LoraMerger, LoraSpec, name_aliases, read_lora
+from .multihost import replayed_method
 from .runtime import Runtime, compile_stats, get_runtime
 from .sharding import MeshSpec, default_mesh, parse_mesh, validate_mesh
 
@@ -196,6 +197,18 @@ class ModelFamily:
     DEFAULT_GUIDANCE = 6.0
     two_experts = False  # Wan 2.2 A14B: a second (low-noise) transformer
 
+    def __init_subclass__(cls, **kwargs):
+        """Every family's construction and stage calls are replayed on the workers of a multi-host slice."""
+        super().__init_subclass__(**kwargs)
+        from .multihost import REPLAYED, replayed_init, replayed_method
+
+        if "__init__" in cls.__dict__:
+            cls.__init__ = replayed_init(cls.__dict__["__init__"])
+        for name in REPLAYED:
+            method = cls.__dict__.get(name)
+            if method is not None and not getattr(method, "replayed", False):
+                setattr(cls, name, replayed_method(method))
+
     def _setup(self, dtype: str, runtime: Runtime | None, mesh, attention, fsdp: bool, heads: int,
                vae_sharding: str = "replicated", target_devices=None) -> None:
         """dtype, mesh and attention for ``heads`` attention heads; call once the model's configs are read.
@@ -267,6 +280,11 @@ class ModelFamily:
         log.info("loaded %s/%s in %.1f s", self.label, name, seconds)
         return part
 
+    def source_paths(self) -> list[Path]:
+        """The files and folders the model is read from (every host of a slice must have the same)."""
+        return [self.path]
+
+    @replayed_method
     def release(self) -> None:
         """Drop the device copies of the weights (ComfyUI's 'unload models')."""
         self._states.clear()
@@ -292,6 +310,7 @@ class ModelFamily:
                     raise InputError(f"a LoRA must be given as a file and a strength, got {spec!r}")
         return targets
 
+    @replayed_method
     def apply_loras(self, targets: dict[str, tuple], merge: bool = True) -> None:
         """Merge the LoRAs of ``targets`` (component -> LoraSpecs, as ``lora_targets`` gives) into those weights
         on the devices, removing any others merged before; nothing happens when they are the ones already merged.

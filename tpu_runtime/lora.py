@@ -245,7 +245,7 @@ class LoraMerger:
                 plan.setdefault(name, []).append((update, float(strength)))
         for name in plan:
             if name not in self.base:  # first touch: keep the loaded weight on the host
-                self.base[name] = np.asarray(state[name])
+                self.base[name] = self.runtime.host_numpy(state[name])
         for name in self.touched - set(plan):  # no longer touched: the loaded weight again
             state[name] = self.runtime.put(self.base[name], state[name].sharding)
         for name, updates in plan.items():

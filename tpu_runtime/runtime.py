@@ -123,9 +123,16 @@ class Runtime:
         # torch code asks for int64/float64; JAX without x64 uses int32/float32, which is what we want.
         warnings.filterwarnings("ignore", message="Explicitly requested dtype (int64|float64)")
 
+        # A multi-host slice is joined before anything starts a JAX backend (TPU_VIDEO_MULTIHOST, multihost.py).
+        from .multihost import SliceSettings, join
+
+        settings = SliceSettings.from_env()
+        self.slice = join(settings) if settings is not None else None
+
         self.torchax = import_torchax()
         self.env = self.torchax.default_env()
-        self.devices = jax.devices()
+        self.devices = jax.devices()  # every process's devices in a slice: meshes span them all
+        self.local_devices = jax.local_devices()
         self.backend = jax.default_backend()
         self._meshes: dict[tuple, Any] = {}
         self.mesh = self.make_mesh(MeshSpec(tp=len(self.devices)))  # the default for placement without a model
@@ -136,9 +143,14 @@ class Runtime:
 
         self.env.override_op_definition(torch.nn.functional.scaled_dot_product_attention, sdpa_override)
         log.info(
-            "runtime ready: backend=%s, %d device(s) [%s], compilation cache %s",
-            self.backend, len(self.devices), self.devices[0].device_kind, self.cache_dir,
+            "runtime ready: backend=%s, %d device(s) [%s]%s, compilation cache %s",
+            self.backend, len(self.devices), self.devices[0].device_kind,
+            f" in {self.slice.processes} processes" if self.slice else "", self.cache_dir,
         )
+        if self.slice is not None and self.slice.is_driver:
+            import atexit
+
+            atexit.register(self.slice.close)
 
     # --- devices and placement -------------------------------------------------------------------------------
     def make_mesh(self, spec: "MeshSpec", devices=None):
@@ -169,30 +181,45 @@ class Runtime:
         """Move CPU torch tensors / numpy arrays (any pytree of them) onto the devices; replicated unless told.
 
         Host arrays go straight to ``jax.device_put``: lifting them with ``jnp.asarray`` first (as torchax's
-        ``t2j`` does) compiles a small program for every distinct shape, dozens per model.
+        ``t2j`` does) compiles a small program for every distinct shape, dozens per model. On a mesh that spans
+        several processes each process places only its own devices' shards (every process holds the same value).
         """
         import jax
 
         sharding = sharding or self.sharding(self.mesh)
+        local = sharding.is_fully_addressable
 
         def to_device(x):
             if isinstance(x, torch.Tensor):
                 x = host_array(x)
-            return jax.device_put(x, sharding)
+            if local:
+                return jax.device_put(x, sharding)
+            x = np.asarray(x)
+            return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
         return jax.tree_util.tree_map(
             to_device, value, is_leaf=lambda x: isinstance(x, (torch.Tensor, np.ndarray))
         )
 
     @staticmethod
-    def to_cpu(value: Any) -> Any:
+    def host_numpy(x) -> np.ndarray:
+        """A jax array as a numpy array on the host. An array split over several processes' devices is gathered
+        (every process of the slice makes this call)."""
+        if x.is_fully_addressable or x.is_fully_replicated:
+            return np.array(x)
+        from jax.experimental import multihost_utils
+
+        return np.array(multihost_utils.process_allgather(x, tiled=True))
+
+    @classmethod
+    def to_cpu(cls, value: Any) -> Any:
         """Bring jax arrays (any pytree of them) back as CPU torch tensors (copies, writable)."""
         import jax
 
         def to_torch(x):
             if not isinstance(x, jax.Array):
                 return x
-            array = np.array(x)
+            array = cls.host_numpy(x)
             if array.dtype.name == "bfloat16":
                 return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
             return torch.from_numpy(array)

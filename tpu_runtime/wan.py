@@ -324,6 +324,9 @@ class WanFamily(ModelFamily):
     def label(self) -> str:
         return self.path.name if self.path is not None else self.files.transformer.stem
 
+    def source_paths(self) -> list[Path]:
+        return [self.path] if self.path is not None else [p for p in vars(self.files).values() if p]
+
     def describe(self) -> dict:
         source = str(self.path) if self.path is not None else {k: str(v) for k, v in vars(self.files).items() if v}
         return {**super().describe(), "source": source, "two_experts": self.two_experts,

@@ -1,0 +1,75 @@
+"""Generations run by one process of a slice (or by a single process, for the reference): the same script either
+way, so the two runs share every line but the joining.
+
+usage: python multihost_job.py OUT_DIR JOBS_JSON
+
+JOBS_JSON is a list of steps run in order:
+  {"generate": NAME, "model": PATH, "mesh": MESH, "height": H, "width": W, "frames": F}
+      generate() into OUT_DIR/NAME (float32, 2 steps, CFG, seed 4)
+  {"open_missing": PATH}     open a model the workers do not have: report the error and the compiles made
+  {"kill": PID, "at_step": K, "model": PATH, "mesh": MESH, ...sizes}
+      sample, SIGKILL process PID after step K; report the error, how long it took, then that the next call is
+      refused at once and this process is still alive after the coordinator's heartbeat timeout
+The report (one JSON line after "REPORT ") holds what each step saw.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from tpu_runtime.errors import InputError, SliceError
+from tpu_runtime.family import SampleSettings
+from tpu_runtime.generate import GenerateRequest, generate, open_model
+from tpu_runtime.runtime import compile_stats, get_runtime
+
+out, jobs = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
+runtime = get_runtime()
+report = {"processes": runtime.slice.processes if runtime.slice else 1, "devices": len(runtime.devices),
+          "local_devices": len(runtime.local_devices)}
+for job in jobs:
+    if "generate" in job:
+        req = GenerateRequest(model=job["model"], output_dir=str(out / job["generate"]), prompt="a panda playing a guitar",
+                              negative_prompt="blurry, low quality", height=job["height"], width=job["width"],
+                              frames=job["frames"], steps=2, guidance=6.0, seed=4, dtype="float32", mesh=job["mesh"])
+        config = generate(req)
+        report[job["generate"]] = {"mesh": config["mesh"], "devices": config["devices"]}
+    elif "open_missing" in job:
+        before = compile_stats()
+        try:
+            open_model(GenerateRequest(model=job["open_missing"], output_dir=str(out / "missing"), dtype="float32"))
+            report["open_missing"] = {"error": None}
+        except InputError as exc:
+            report["open_missing"] = {"error": str(exc), "compiles": compile_stats().since(before).xla_compiles}
+    elif "kill" in job:
+        family = open_model(GenerateRequest(model=job["model"], output_dir=str(out / "kill"), dtype="float32",
+                                            mesh=job["mesh"]))
+        embeddings = family.encode("a panda playing a guitar", "blurry, low quality")
+        killed = {}
+
+        def on_step(i, total):
+            if i == job["at_step"]:
+                os.kill(job["kill"], signal.SIGKILL)
+                killed["at"] = time.monotonic()
+
+        result = {"error": None}
+        try:
+            family.sample(embeddings, SampleSettings(job["height"], job["width"], job["frames"], steps=job["steps"],
+                                                     guidance=6.0, seed=4), on_step=on_step)
+        except SliceError as exc:
+            result = {"error": str(exc), "seconds_after_kill": time.monotonic() - killed["at"]}
+        time.sleep(job["wait"])  # past the heartbeat timeout: the coordinator must not end this process
+        start = time.monotonic()
+        try:
+            family.encode("another prompt")
+            result["next_call"] = None
+        except SliceError as exc:
+            result["next_call"] = str(exc)
+            result["next_call_seconds"] = time.monotonic() - start
+        result["alive"] = True
+        report["kill"] = result
+print("REPORT " + json.dumps(report), flush=True)
+if os.environ.get("SHOW_REPORT"):
+    print(json.dumps(report, indent=1), file=sys.stderr)

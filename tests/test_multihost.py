@@ -1,0 +1,168 @@
+"""A slice of two processes on this machine (``jax.distributed`` over loopback, CPU collectives through gloo,
+4 simulated devices each: one 8-device mesh across both) driven from process 0 gives the frames of the same
+generation in one process with 8 devices; a worker that lacks the model is named before any compile; a worker
+killed mid-generation is reported within a bounded time and process 0 lives on."""
+
+import json
+import os
+import socket
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import subprocess_env
+from safetensors.numpy import load_file
+
+from tpu_runtime.errors import InputError
+from tpu_runtime.multihost import _check_files, file_fingerprint, source_fingerprints
+from tpu_runtime.tiny import TinySpec, TinyWanSpec, build_tiny_cogvideox, build_tiny_wan
+
+JOB = str(Path(__file__).with_name("multihost_job.py"))
+SIZE = {"height": 32, "width": 64, "frames": 9}
+# mesh dp=2,tp=4 puts process 0's four devices on dp 0 and process 1's on dp 1 (the CFG halves on different
+# hosts); tp=8 splits every attention and FFN across the two processes.
+MESHES = {"dp": "dp=2,sp=1,tp=4", "tp": "dp=1,sp=1,tp=8"}
+HEARTBEAT = 4
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    base = tmp_path_factory.mktemp("multihost")
+    return {"cogvideox": build_tiny_cogvideox(base / "cogvideox", "5b", seed=3, spec=TinySpec("5b", heads=8)),
+            "wan": build_tiny_wan(base / "wan", "2.1", seed=3, spec=TinyWanSpec(heads=8, layers=1))}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _slice_env(port: int, process_id: int, processes: int = 2) -> dict:
+    env = subprocess_env(TPU_VIDEO_MULTIHOST=1, TPU_VIDEO_COORDINATOR=f"127.0.0.1:{port}", TPU_VIDEO_PROCESSES=processes,
+                         TPU_VIDEO_PROCESS_ID=process_id, JAX_NUM_CPU_DEVICES=8 // processes,
+                         TPU_VIDEO_JOIN_TIMEOUT=120,
+                         TPU_VIDEO_WORKER_TIMEOUT=120, TPU_VIDEO_HEARTBEAT_TIMEOUT=HEARTBEAT)
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _report(proc) -> dict:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(proc.stdout.split("REPORT ", 1)[1])
+
+
+def _run_slice(tmp: Path, jobs, driver_cwd: Path, worker_cwd: Path):
+    """Process 1 as `python -m tpu_runtime worker`, process 0 running the jobs; returns (report, worker)."""
+    port = _free_port()
+    log = open(tmp / "worker.log", "w")
+    worker = subprocess.Popen([sys.executable, "-m", "tpu_runtime", "worker", "--process-id", "1"], cwd=worker_cwd,
+                              env=_slice_env(port, 1), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        jobs = jobs(worker.pid) if callable(jobs) else jobs
+        (tmp / "jobs.json").write_text(json.dumps(jobs))
+        driver = subprocess.run([sys.executable, JOB, str(tmp / "out"), str(tmp / "jobs.json")], cwd=driver_cwd,
+                                env=_slice_env(port, 0), capture_output=True, text=True, timeout=1200)
+        report = _report(driver)
+        try:
+            code = worker.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            code = "still running"
+        return report, code, (tmp / "worker.log").read_text()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        log.close()
+
+
+def _generate_jobs(models):
+    return [{"generate": f"{family}_{axis}", "model": str(path), "mesh": mesh, **SIZE}
+            for family, path in models.items() for axis, mesh in MESHES.items()]
+
+
+@pytest.fixture(scope="module")
+def two_processes(models, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("slice")
+    driver_cwd, worker_cwd = tmp / "first_host", tmp / "second_host"
+    worker_cwd.mkdir()
+    # A model only the first host has: a relative path that resolves on the first host and not on the second.
+    shutil.copytree(models["cogvideox"], driver_cwd / "only_on_the_first_host")
+    jobs = [{"open_missing": "only_on_the_first_host"}] + _generate_jobs(models)
+    return tmp / "out", *_run_slice(tmp, jobs, driver_cwd, worker_cwd)
+
+
+@pytest.fixture(scope="module")
+def one_process(models, tmp_path_factory):
+    """The same jobs in one process with all 8 devices. It uses the slice's CPU collectives (gloo, as a slice of
+    one process): XLA's in-process CPU all-reduce sums in another order than gloo's ring, which alone moves
+    these frames by up to ~1.3e-5; with the same collectives the difference left is what the split across
+    processes makes."""
+    tmp = tmp_path_factory.mktemp("single")
+    (tmp / "jobs.json").write_text(json.dumps(_generate_jobs(models)))
+    proc = subprocess.run([sys.executable, JOB, str(tmp / "out"), str(tmp / "jobs.json")],
+                          env=_slice_env(_free_port(), 0, processes=1), capture_output=True, text=True, timeout=1200)
+    return tmp / "out", _report(proc)
+
+
+def test_two_processes_give_the_one_process_frames(two_processes, one_process):
+    out, report, worker_code, worker_log = two_processes
+    single_out, single = one_process
+    assert (report["processes"], report["devices"], report["local_devices"]) == (2, 8, 4)
+    assert (single["processes"], single["devices"], single["local_devices"]) == (1, 8, 8)
+    for family in ("cogvideox", "wan"):
+        for axis, mesh in MESHES.items():
+            name = f"{family}_{axis}"
+            assert report[name]["devices"] == 8 and report[name]["mesh"] == mesh
+            got = load_file(out / name / "frames.safetensors")["frames"]
+            want = load_file(single_out / name / "frames.safetensors")["frames"]
+            assert got.shape == want.shape and np.isfinite(got).all()
+            assert np.abs(got - want).max() < 1e-5, (name, np.abs(got - want).max())
+    # The worker ran every call and stopped when process 0 closed the slice.
+    assert worker_code == 0, worker_log[-3000:]
+    assert worker_log.count("call ") >= 4 * 4, worker_log[-3000:]
+
+
+def test_a_worker_without_the_model_is_named_before_any_compile(two_processes):
+    _, report, _, _ = two_processes
+    missing = report["open_missing"]
+    assert missing["error"] and "worker 1" in missing["error"] and "only_on_the_first_host" in missing["error"]
+    assert missing["compiles"] == 0
+    # ...and the slice stayed in step: the generations after it ran (checked above) on both processes.
+
+
+def test_a_killed_worker_is_reported_and_the_first_process_lives_on(models, tmp_path):
+    driver_cwd = tmp_path / "first_host"
+    driver_cwd.mkdir()
+
+    def jobs(worker_pid):
+        return [{"kill": worker_pid, "at_step": 2, "steps": 8, "model": str(models["cogvideox"]),
+                 "mesh": MESHES["dp"], "wait": HEARTBEAT * 3, **SIZE}]
+
+    start = time.monotonic()
+    report, worker_code, _ = _run_slice(tmp_path, jobs, driver_cwd, driver_cwd)
+    kill = report["kill"]
+    assert worker_code == -9
+    assert kill["error"] and "worker 1" in kill["error"] and "incomplete" in kill["error"], kill
+    assert kill["seconds_after_kill"] < 30, kill
+    # The next call is refused at once with the same news, and the process is alive past the heartbeat timeout.
+    assert kill["next_call"] and "worker 1" in kill["next_call"] and kill["next_call_seconds"] < 1, kill
+    assert kill["alive"] is True
+    assert time.monotonic() - start < 600
+
+
+def test_a_different_file_on_a_worker_is_named(tmp_path):
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"x" * 1000)
+    prints = source_fingerprints([tmp_path])
+    assert prints == {str(f): file_fingerprint(f)}
+    _check_files(prints)  # the same file passes
+    f.write_bytes(b"y" * 1000)
+    with pytest.raises(InputError, match="model.safetensors differs from the first host"):
+        _check_files(prints)
+    os.remove(f)
+    with pytest.raises(InputError, match="model.safetensors is missing on this host"):
+        _check_files(prints)

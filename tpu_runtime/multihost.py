@@ -1,0 +1,646 @@
+"""Multi-host slices: one process per host, every process running the same programs on one mesh over all chips.
+
+JAX's multi-controller runtime (``jax.distributed``) joins the processes; this module makes the first process (the
+ComfyUI server, or the CLI) the only one with a graph. Every public call on a model family there — opening it,
+``encode``, ``sample``, ``decode``, ``apply_loras``, ``release`` — is *replayed*: before it runs, a small JSON message
+(names, paths, numbers, the ids of earlier results) goes to the workers through JAX's coordination key-value
+store, each worker checks that it can run it (the same model files, the same LoRA files), and then every process
+runs it, so the same compiled programs are called everywhere in the same order. Stage values (embeddings,
+latents) stay where they were made: each worker keeps its own copy of what it computed, and messages name them
+by id. Inputs are placed with per-process shards, and host copies of results are made from each process's
+replicas (or an all-gather), so the first process gets its results without the workers sending any.
+
+Steps are kept in lock-step through the same store: before each sampling step the first process publishes go or
+stop (Cancel), and checks that every worker is alive, so a worker that dies is reported at the next step
+boundary (or at once when a collective fails), and the slice is marked incomplete instead of hanging.
+
+Environment of the first process (``python -m tpu_runtime worker`` takes the same as flags):
+``TPU_VIDEO_MULTIHOST=1`` joins a slice; ``TPU_VIDEO_COORDINATOR`` (host:port of the first process),
+``TPU_VIDEO_PROCESSES`` and ``TPU_VIDEO_PROCESS_ID`` where JAX cannot find them itself (a TPU VM tells it);
+``TPU_VIDEO_JOIN_TIMEOUT`` (s, default 300) and ``TPU_VIDEO_WORKER_TIMEOUT`` (s, default 120): how long to wait
+for the workers to join and to answer; ``TPU_VIDEO_HEARTBEAT_TIMEOUT`` (s, default 20): silence after which the
+coordinator counts a process as gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import io
+import json
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import InputError, SliceError
+
+log = logging.getLogger(__name__)
+
+PREFIX = "tpu_video/"
+KEEP_VALUES = 64  # stage values each worker keeps (oldest dropped first; the first process mirrors the order)
+BLOB_CHUNK = 1 << 20  # bytes per key-value entry when a tensor must be sent
+
+
+# --- joining -----------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class SliceSettings:
+    coordinator: str | None = None  # host:port of process 0; None: JAX finds it (TPU VM)
+    processes: int | None = None
+    process_id: int | None = None
+    join_timeout: int = 300
+    worker_timeout: float = 120.0
+    heartbeat_timeout: int = 20  # s without a heartbeat before the coordinator counts a process as gone
+
+    @classmethod
+    def from_env(cls) -> "SliceSettings | None":
+        """The slice to join, or None when ``TPU_VIDEO_MULTIHOST`` is not set (one process)."""
+        if os.environ.get("TPU_VIDEO_MULTIHOST", "").strip().lower() in ("", "0", "false", "no"):
+            return None
+
+        def number(name, kind, default=None):
+            raw = os.environ.get(name, "").strip()
+            if not raw:
+                return default
+            try:
+                return kind(raw)
+            except ValueError:
+                raise InputError(f"{name}={raw!r} must be a number") from None
+
+        return cls(coordinator=os.environ.get("TPU_VIDEO_COORDINATOR") or None,
+                   processes=number("TPU_VIDEO_PROCESSES", int), process_id=number("TPU_VIDEO_PROCESS_ID", int),
+                   join_timeout=number("TPU_VIDEO_JOIN_TIMEOUT", int, 300),
+                   worker_timeout=number("TPU_VIDEO_WORKER_TIMEOUT", float, 120.0),
+                   heartbeat_timeout=number("TPU_VIDEO_HEARTBEAT_TIMEOUT", int, 20))
+
+
+def _worker_names(processes: int) -> dict[int, str]:
+    """Process id -> how users know that host (TPU VMs list the workers' hostnames)."""
+    hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
+    return {i: f"worker {i}" + (f" ({hosts[i]})" if len(hosts) == processes else "") for i in range(processes)}
+
+
+def join(settings: SliceSettings) -> "Slice":
+    """Join the slice with ``jax.distributed`` (before JAX starts a backend) and return it.
+
+    JAX's default coordination client ends the process when a peer misses its heartbeats or never joins; that
+    would take the ComfyUI server down with a worker. The client is made with a callback instead, and the
+    service with recoverable tasks, so a lost worker becomes an error this process reports and survives."""
+    import jax
+    from jax._src import distributed
+    from jax._src.lib import _jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU meshes across processes
+    jax.config.update("jax_enable_recoverability", True)
+    failures: list[str] = []
+    original = _jax.get_distributed_runtime_client
+
+    def on_error(status, *_):
+        failures.append(str(status))
+        log.error("the slice lost a process: %s", status)
+
+    _jax.get_distributed_runtime_client = functools.partial(original, missed_heartbeat_callback=on_error)
+    start = time.perf_counter()
+    try:
+        jax.distributed.initialize(settings.coordinator, settings.processes, settings.process_id,
+                                   initialization_timeout=settings.join_timeout,
+                                   heartbeat_timeout_seconds=settings.heartbeat_timeout)
+    except Exception as exc:  # noqa: BLE001 - the client reports a missing peer in several ways
+        n = settings.processes or 0
+        names = ", ".join(_worker_names(n)[i] for i in range(1, n)) if n > 1 else "the workers"
+        raise SliceError(
+            f"the slice is incomplete: {names} did not join {settings.coordinator or 'the coordinator'} within "
+            f"{settings.join_timeout} s ({str(exc).splitlines()[0][:200]}). Start `python -m tpu_runtime worker` on "
+            "every other host (same coordinator and process count), then restart this process") from exc
+    finally:
+        _jax.get_distributed_runtime_client = original
+    state = distributed.global_state
+    joined = Slice(state.client, jax.process_index(), jax.process_count(), settings.worker_timeout,
+                   settings.heartbeat_timeout)
+    joined.failures = failures
+    joined.start_heartbeat()
+    log.info("joined a slice of %d processes as process %d in %.1f s", joined.processes, joined.process_id,
+             time.perf_counter() - start)
+    return joined
+
+
+# --- values in messages --------------------------------------------------------------------------------------------
+def file_fingerprint(path: Path) -> str:
+    """Size and the hash of the first 64 KiB (a safetensors header names every tensor, its shape and offsets)."""
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    return f"{path.stat().st_size}:{hashlib.sha256(head).hexdigest()[:16]}"
+
+
+def source_fingerprints(paths) -> dict[str, str]:
+    """path -> fingerprint of every file under ``paths`` (files or folders)."""
+    out = {}
+    for p in paths:
+        p = Path(p).expanduser()
+        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+        for f in files:
+            if f.is_file():
+                out[str(f)] = file_fingerprint(f)
+    return out
+
+
+def _stage_value_types():
+    from .family import TextEmbeddings, VideoLatents
+
+    return {"TextEmbeddings": TextEmbeddings, "VideoLatents": VideoLatents}
+
+
+def _plain_types():
+    """Dataclasses a message may carry by value (settings), by name."""
+    from .attention import AttentionConfig
+    from .family import SampleSettings
+    from .lora import LoraSpec
+    from .sharding import MeshSpec
+    from .wan import WanFiles
+
+    return {c.__name__: c for c in (SampleSettings, LoraSpec, AttentionConfig, MeshSpec, WanFiles)}
+
+
+class _Encoder:
+    """Arguments -> JSON-able data. Stage values the workers hold go as ids; others (loaded from a stage file)
+    as tensors in blobs; the runtime and callbacks are each process's own."""
+
+    def __init__(self, known: "OrderedDict[int, None]", models: dict[int, int]):
+        self.known, self.models = known, models
+        self.blobs: dict[str, bytes] = {}
+        self.paths: list[str] = []
+
+    def __call__(self, value: Any) -> Any:
+        import torch
+
+        from .runtime import Runtime
+
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, Path):
+            self.paths.append(str(value.expanduser()))
+            return {"__path__": str(value)}
+        if isinstance(value, (list, tuple)):
+            return {"__tuple__": [self(v) for v in value]} if isinstance(value, tuple) else [self(v) for v in value]
+        if isinstance(value, dict):
+            return {"__dict__": [[self(k), self(v)] for k, v in value.items()]}
+        if isinstance(value, Runtime):
+            return {"__runtime__": True}
+        if callable(value) and not dataclasses.is_dataclass(value):
+            return {"__callback__": True}
+        name = type(value).__name__
+        if name in _stage_value_types():
+            rid = getattr(value, "replay_id", None)
+            if rid in self.known:
+                return {"__value__": rid}
+            fields = {}
+            for f in dataclasses.fields(value):
+                v = getattr(value, f.name)
+                if isinstance(v, torch.Tensor):
+                    key = f"blob{len(self.blobs)}"
+                    self.blobs[key] = _tensor_bytes(v)
+                    fields[f.name] = {"__blob__": key}
+                else:
+                    fields[f.name] = self(v)
+            return {"__sent__": name, "fields": fields}
+        if name in _plain_types() and dataclasses.is_dataclass(value):
+            if name == "LoraSpec":
+                self.paths.append(str(Path(value.path).expanduser()))
+            return {"__dc__": name, "fields": {f.name: self(getattr(value, f.name))
+                                               for f in dataclasses.fields(value)}}
+        if hasattr(value, "replay_id") and getattr(value, "replay_id") in self.models.values():
+            return {"__model__": value.replay_id}
+        raise TypeError(f"a replayed call cannot carry a {type(value).__name__}")
+
+
+def _tensor_bytes(t) -> bytes:
+    from safetensors.torch import save
+
+    return save({"t": t.detach().contiguous().cpu()})
+
+
+def _decode(value: Any, ctx: "_WorkerContext") -> Any:
+    if isinstance(value, list):
+        return [_decode(v, ctx) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__path__" in value:
+        return Path(value["__path__"])
+    if "__tuple__" in value:
+        return tuple(_decode(v, ctx) for v in value["__tuple__"])
+    if "__dict__" in value:
+        return {_decode(k, ctx): _decode(v, ctx) for k, v in value["__dict__"]}
+    if "__runtime__" in value:
+        return ctx.runtime
+    if "__callback__" in value:
+        return None
+    if "__value__" in value:
+        return ctx.values[value["__value__"]]
+    if "__model__" in value:
+        return ctx.models[value["__model__"]]
+    if "__blob__" in value:
+        from safetensors.torch import load
+
+        return load(ctx.blob(value["__blob__"]))["t"]
+    if "__sent__" in value:
+        cls = _stage_value_types()[value["__sent__"]]
+        return cls(**{k: _decode(v, ctx) for k, v in value["fields"].items()})
+    if "__dc__" in value:
+        cls = _plain_types()[value["__dc__"]]
+        return cls(**{k: _decode(v, ctx) for k, v in value["fields"].items()})
+    raise ValueError(f"unknown value in a replayed call: {sorted(value)}")
+
+
+# --- the slice -----------------------------------------------------------------------------------------------------
+class Slice:
+    """This process's place in a multi-host slice: the first process drives, the others replay."""
+
+    def __init__(self, client, process_id: int, processes: int, worker_timeout: float, heartbeat_timeout: float):
+        self.client, self.process_id, self.processes = client, process_id, processes
+        self.worker_timeout = float(worker_timeout)
+        self.heartbeat_timeout = float(heartbeat_timeout)
+        self.names = _worker_names(processes)
+        self.broken: str | None = None
+        self.failures: list[str] = []
+        self._next = 0
+        self._inside = threading.local()
+        self._lock = threading.RLock()
+        self._known: OrderedDict[int, None] = OrderedDict()
+        self._models: dict[int, int] = {}  # id(family) -> model id
+        self._closed = False
+
+    @property
+    def is_driver(self) -> bool:
+        return self.process_id == 0
+
+    @property
+    def workers(self) -> list[int]:
+        return list(range(1, self.processes))
+
+    # key-value store
+    def _set(self, key: str, value: str, overwrite: bool = False) -> None:
+        self.client.key_value_set(PREFIX + key, value, allow_overwrite=overwrite)
+
+    def _try_get(self, key: str, wait_ms: int = 0) -> str | None:
+        try:
+            if wait_ms:
+                return self.client.blocking_key_value_get(PREFIX + key, wait_ms)
+            return self.client.key_value_try_get(PREFIX + key)
+        except Exception:  # noqa: BLE001 - not there (yet): NOT_FOUND / DEADLINE_EXCEEDED
+            return None
+
+    def start_heartbeat(self) -> None:
+        """Each process bumps its counter in the store twice a second; the first process counts a worker whose
+        counter stops moving for ``heartbeat_timeout`` seconds as gone. (The coordination service's own view of
+        live tasks is a collective call, which a busy worker would not join.)"""
+        self._seen = {i: (None, time.monotonic()) for i in range(self.processes)}
+
+        def beat():
+            count = 0
+            while not self._closed:
+                count += 1
+                try:
+                    self._set(f"alive/{self.process_id}", str(count), overwrite=True)
+                except Exception as exc:  # noqa: BLE001 - the coordinator is gone; the loops notice it themselves
+                    log.warning("heartbeat stopped: %s", exc)
+                    return
+                time.sleep(0.5)
+
+        threading.Thread(target=beat, name="tpu-video-heartbeat", daemon=True).start()
+
+    def dead(self, ids=None) -> list[int]:
+        """Process ids (of ``ids``, default every other process) gone: silent for ``heartbeat_timeout`` seconds,
+        or, seen from a worker, the first process (which holds the store) unreachable."""
+        ids = [i for i in range(self.processes) if i != self.process_id] if ids is None else list(ids)
+        gone = []
+        now = time.monotonic()
+        for i in ids:
+            try:
+                count = self.client.key_value_try_get(f"{PREFIX}alive/{i}")
+            except Exception as exc:  # noqa: BLE001 - NOT_FOUND before its first beat; UNAVAILABLE: no store
+                if "UNAVAILABLE" in str(exc):
+                    return ids
+                count = None
+            last, since = self._seen[i]
+            if count != last:
+                self._seen[i] = (count, now)
+            elif now - since > self.heartbeat_timeout:
+                log.warning("process %d: heartbeat %s unchanged for %.1f s", i, count, now - since)
+                gone.append(i)
+        return gone
+
+    def _fail(self, why: str) -> SliceError:
+        self.broken = why
+        return SliceError(why)
+
+    def check_workers(self, during: str) -> None:
+        dead = self.dead(self.workers)
+        if dead:
+            names = ", ".join(self.names[i] for i in dead)
+            raise self._fail(f"the slice is incomplete: {names} stopped ({during}). Restart "
+                             "`python -m tpu_runtime worker` there and restart this process (ComfyUI: the server)")
+
+    def _collect(self, key: str, during: str) -> dict[int, str]:
+        """Each worker's answer under ``key/<id>``; a dead or silent worker is reported by name in bounded time."""
+        answers: dict[int, str] = {}
+        deadline = time.monotonic() + self.worker_timeout
+        while len(answers) < len(self.workers):
+            for i in self.workers:
+                if i not in answers:
+                    got = self._try_get(f"{key}/{i}", wait_ms=200 if len(answers) == len(self.workers) - 1 else 0)
+                    if got is not None:
+                        answers[i] = got
+            if len(answers) == len(self.workers):
+                break
+            self.check_workers(during)
+            if time.monotonic() > deadline:
+                silent = ", ".join(self.names[i] for i in self.workers if i not in answers)
+                raise self._fail(f"the slice is incomplete: {silent} did not answer within {self.worker_timeout:g} s "
+                                 f"({during}); it is stuck or was started for another slice. Restart the workers "
+                                 "and this process")
+            time.sleep(0.05)
+        return answers
+
+    # the first process
+    @contextlib.contextmanager
+    def _replaying(self):
+        self._inside.active = True
+        try:
+            yield
+        finally:
+            self._inside.active = False
+
+    def nested(self) -> bool:
+        return getattr(self._inside, "active", False)
+
+    def call(self, op: str, model, method: str | None, args: tuple, kwargs: dict, run: Callable[..., Any],
+             files: dict[str, str] | None = None, cls_name: str | None = None):
+        """Run ``run(args, kwargs)`` here and on every worker (``op``: "open" builds a family, "call" calls
+        ``method`` of ``model``). Returns this process's result."""
+        if self.nested():
+            return run(args, kwargs)
+        with self._lock:
+            if self.broken:
+                raise SliceError(self.broken)
+            n = self._next
+            self._next += 1
+            what = f"{cls_name or type(model).__name__}.{method or 'open'}"
+            encoder = _Encoder(self._known, self._models)
+            message = {"op": op, "n": n, "method": method, "cls": cls_name,
+                       "model": getattr(model, "replay_id", None),
+                       "args": encoder(list(args)), "kwargs": encoder({k: v for k, v in kwargs.items()})}
+            fingerprints = dict(files or {})
+            for p in encoder.paths:
+                path = Path(p)
+                if path.exists():
+                    fingerprints.update(source_fingerprints([path]))
+            message["files"] = fingerprints
+            for key, blob in encoder.blobs.items():
+                chunks = [blob[i:i + BLOB_CHUNK] for i in range(0, len(blob), BLOB_CHUNK)] or [b""]
+                self._set(f"blob/{n}/{key}", str(len(chunks)))
+                for j, chunk in enumerate(chunks):
+                    self.client.key_value_set_bytes(f"{PREFIX}blob/{n}/{key}/{j}", chunk)
+            self._set(f"call/{n}", json.dumps(message))
+            ready = self._collect(f"ready/{n}", f"checking {what}")
+            refused = {i: why for i, why in ready.items() if why != "ok"}
+            self._set(f"go/{n}", "abort" if refused else "run")
+            if refused:
+                self._forget(n, blobs=encoder.blobs)
+                raise InputError("; ".join(f"{self.names[i]}: {why}" for i, why in refused.items()))
+            if "should_stop" in kwargs or method == "sample":
+                kwargs = {**kwargs, "should_stop": self._step_gate(n, kwargs.get("should_stop"), what)}
+            try:
+                with self._replaying():
+                    result = run(args, kwargs)
+            except SliceError:
+                raise
+            except Exception as exc:
+                self._after_failure(n, what, exc)
+                raise
+            done = self._collect(f"done/{n}", f"running {what}")
+            failed = {i: why for i, why in done.items() if why != "ok"}
+            if failed:
+                raise self._fail("the slice is out of step: " + "; ".join(
+                    f"{self.names[i]} failed {what}: {why}" for i, why in failed.items()) +
+                    ". Restart the workers and this process")
+            self._forget(n, blobs=encoder.blobs)
+            self._remember(n, result)
+            return result
+
+    def _after_failure(self, n: int, what: str, exc: Exception) -> None:
+        """This process's call failed: a worker that died is the cause to report; otherwise the workers fail the
+        same way (bad settings, Cancel), and their answers are collected so the next call starts in step."""
+        deadline = time.monotonic() + self.heartbeat_timeout + 2  # a dead peer breaks a collective at once
+        while time.monotonic() < deadline:
+            if self.dead(self.workers):
+                break
+            if all(self._try_get(f"done/{n}/{i}") is not None for i in self.workers):
+                break
+            time.sleep(0.1)
+        try:
+            self.check_workers(f"during {what}")
+            self._collect(f"done/{n}", f"after {what} failed")
+        except SliceError as lost:
+            raise lost from exc
+        self._forget(n)
+
+    def _step_gate(self, n: int, should_stop, what: str):
+        """Before each step: are the workers alive; stop or go (Cancel), published for the workers."""
+        count = [0]
+
+        def gate() -> bool:
+            i = count[0]
+            count[0] += 1
+            self.check_workers(f"before step {i + 1} of {what}")
+            stop = bool(should_stop()) if should_stop is not None else False
+            self._set(f"step/{n}/{i}", "stop" if stop else "go")
+            return stop
+
+        return gate
+
+    def _remember(self, n: int, result) -> None:
+        if type(result).__name__ in _stage_value_types():
+            result.replay_id = n
+            self._known[n] = None
+            while len(self._known) > KEEP_VALUES:
+                self._known.popitem(last=False)
+
+    def _forget(self, n: int, blobs=()) -> None:
+        for key in ("call", "go"):
+            self._delete(f"{key}/{n}")
+        for i in self.workers:
+            self._delete(f"ready/{n}/{i}")
+            self._delete(f"done/{n}/{i}")
+        self._delete(f"step/{n}/")
+        self._delete(f"blob/{n}/")
+
+    def _delete(self, key: str) -> None:
+        with contextlib.suppress(Exception):
+            self.client.key_value_delete(PREFIX + key)
+
+    def register_model(self, family, n: int) -> None:
+        family.replay_id = n
+        self._models[id(family)] = n
+
+    def close(self) -> None:
+        """Tell the workers to stop (the first process, at exit)."""
+        if self._closed or not self.is_driver or self.broken:
+            return
+        self._closed = True
+        with self._lock:
+            self._set(f"call/{self._next}", json.dumps({"op": "shutdown", "n": self._next}))
+
+
+# --- the workers -----------------------------------------------------------------------------------------------------
+class _WorkerContext:
+    def __init__(self, slice_: Slice, runtime, n: int):
+        self.slice, self.runtime, self.n = slice_, runtime, n
+        self.values: OrderedDict[int, Any] = OrderedDict()
+        self.models: dict[int, Any] = {}
+
+    def blob(self, key: str) -> bytes:
+        s = self.slice
+        count = int(s._try_get(f"blob/{self.n}/{key}", wait_ms=60_000))
+        return b"".join(s.client.blocking_key_value_get_bytes(f"{PREFIX}blob/{self.n}/{key}/{j}", 60_000)
+                        for j in range(count))
+
+
+def _family_classes():
+    from .cogvideox import CogVideoXFamily
+    from .wan import WanFamily
+
+    return {c.__name__: c for c in (CogVideoXFamily, WanFamily)}
+
+
+def _check_files(fingerprints: dict[str, str]) -> None:
+    for path, expected in fingerprints.items():
+        p = Path(path)
+        if not p.is_file():
+            raise InputError(f"{path} is missing on this host: every host reads the weights from the same path "
+                             "(a shared disk, or a copy on each host)")
+        got = file_fingerprint(p)
+        if got != expected:
+            raise InputError(f"{path} differs from the first host's copy (size:hash {got} vs {expected}): copy the "
+                             "same file to every host")
+
+
+def serve(runtime, slice_: Slice) -> int:
+    """The worker loop: wait for each call of the first process, check it, run it, answer. Returns when the first
+    process shuts the slice down (0) or is gone (1)."""
+    from .errors import Interrupted
+
+    ctx = _WorkerContext(slice_, runtime, 0)
+    log.info("%s ready: %d device(s) of %d in the slice", slice_.names[slice_.process_id],
+             len(runtime.local_devices), len(runtime.devices))
+    n = 0
+    while True:
+        raw = slice_._try_get(f"call/{n}", wait_ms=1000)
+        if raw is None:
+            if slice_.dead([0]):
+                log.error("the first process is gone: stopping")
+                return 1
+            continue
+        message = json.loads(raw)
+        if message["op"] == "shutdown":
+            log.info("the first process closed the slice")
+            return 0
+        ctx.n = n
+        me = slice_.process_id
+        try:
+            _check_files(message.get("files", {}))
+            args = _decode(message["args"], ctx)
+            kwargs = _decode(message["kwargs"], ctx)
+            if message["op"] == "open":
+                cls = _family_classes()[message["cls"]]
+                prepared = functools.partial(cls, *args, **kwargs)
+            else:
+                model = ctx.models[message["model"]]
+                if message["method"] == "sample":
+                    kwargs["should_stop"] = _worker_gate(slice_, n)
+                prepared = functools.partial(getattr(model, message["method"]), *args, **kwargs)
+            answer = "ok"
+        except Exception as exc:  # noqa: BLE001 - reported to the first process, which raises it
+            answer = str(exc) or type(exc).__name__
+        slice_._set(f"ready/{n}/{me}", answer)
+        go = None
+        while go is None:
+            go = slice_._try_get(f"go/{n}", wait_ms=1000)
+            if go is None and slice_.dead([0]):
+                return 1
+        if go == "run":
+            try:
+                log.info("call %d: %s", n, message.get("method") or f"open {message['cls']}")
+                result = prepared()
+                if message["op"] == "open":
+                    result.replay_id = n
+                    ctx.models[n] = result
+                elif type(result).__name__ in _stage_value_types():
+                    ctx.values[n] = result
+                    while len(ctx.values) > KEEP_VALUES:
+                        ctx.values.popitem(last=False)
+                done = "ok"
+            except Interrupted as exc:
+                done = f"interrupted: {exc}"
+            except Exception as exc:  # noqa: BLE001
+                log.exception("call %d failed", n)
+                done = f"{type(exc).__name__}: {exc}"
+            slice_._set(f"done/{n}/{me}", done)
+        n += 1
+
+
+def _worker_gate(slice_: Slice, n: int):
+    count = [0]
+
+    def gate() -> bool:
+        i = count[0]
+        count[0] += 1
+        while True:
+            got = slice_._try_get(f"step/{n}/{i}", wait_ms=1000)
+            if got is not None:
+                return got == "stop"
+            if slice_.dead([0]):
+                raise SliceError("the first process is gone")
+
+    return gate
+
+
+# --- the hook every family's public calls go through ----------------------------------------------------------------
+REPLAYED = ("encode", "sample", "decode", "apply_loras", "release")
+
+
+def replayed_method(method):
+    """``method`` of a family, run on every process of the slice when this is its first process."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        slice_ = getattr(getattr(self, "runtime", None), "slice", None)
+        if slice_ is None or not slice_.is_driver or getattr(self, "abstract", False):
+            return method(self, *args, **kwargs)
+        return slice_.call("call", self, method.__name__, args, kwargs,
+                           lambda a, k: method(self, *a, **k))
+
+    wrapper.replayed = True
+    return wrapper
+
+
+def replayed_init(init):
+    """A family's ``__init__``, then the same construction on every worker (files checked there first)."""
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        slice_ = getattr(self.runtime, "slice", None)
+        if slice_ is None or not slice_.is_driver or self.abstract or slice_.nested():
+            return
+        n = slice_._next
+        slice_.call("open", None, None, args, kwargs, lambda a, k: None,
+                    files=source_fingerprints(self.source_paths()), cls_name=type(self).__name__)
+        slice_.register_model(self, n)
+
+    wrapper.replayed = True
+    return wrapper
