@@ -205,7 +205,9 @@ def decode_latent(model, samples, **options):
 
     z = samples["samples"]
     info = samples.get("tpu_video")
-    if isinstance(info, VideoLatents) and tuple(info.latents.shape) == tuple(z.shape):
+    if isinstance(info, VideoLatents) and z is info.latents:
+        latents = info  # the sampler's own value (on a multi-host slice the workers hold it too)
+    elif isinstance(info, VideoLatents) and tuple(info.latents.shape) == tuple(z.shape):
         latents = VideoLatents(z, info.height, info.width, info.num_frames, info.model_signature)
     else:
         if z.ndim != 5:

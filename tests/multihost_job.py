@@ -4,9 +4,11 @@ way, so the two runs share every line but the joining.
 usage: python multihost_job.py OUT_DIR JOBS_JSON
 
 JOBS_JSON is a list of steps run in order:
-  {"generate": NAME, "model": PATH, "mesh": MESH, "height": H, "width": W, "frames": F}
+  {"generate": NAME, "model": PATH, "mesh": MESH, "height": H, "width": W, "frames": F, "loras": [FILE:S]}
       generate() into OUT_DIR/NAME (float32, 2 steps, CFG, seed 4)
   {"open_missing": PATH}     open a model the workers do not have: report the error and the compiles made
+  {"cancel": K, "model": PATH, "mesh": MESH, "steps": N, ...sizes}
+      sample with Cancel pressed after step K; report the message; then sample again (the slice kept in step)
   {"kill": PID, "at_step": K, "model": PATH, "mesh": MESH, ...sizes}
       sample, SIGKILL process PID after step K; report the error, how long it took, then that the next call is
       refused at once and this process is still alive after the coordinator's heartbeat timeout
@@ -20,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from tpu_runtime.errors import InputError, SliceError
+from tpu_runtime.errors import InputError, Interrupted, SliceError
 from tpu_runtime.family import SampleSettings
 from tpu_runtime.generate import GenerateRequest, generate, open_model
 from tpu_runtime.runtime import compile_stats, get_runtime
@@ -33,9 +35,10 @@ for job in jobs:
     if "generate" in job:
         req = GenerateRequest(model=job["model"], output_dir=str(out / job["generate"]), prompt="a panda playing a guitar",
                               negative_prompt="blurry, low quality", height=job["height"], width=job["width"],
-                              frames=job["frames"], steps=2, guidance=6.0, seed=4, dtype="float32", mesh=job["mesh"])
+                              frames=job["frames"], steps=2, guidance=6.0, seed=4, dtype="float32", mesh=job["mesh"],
+                              loras=job.get("loras", []))
         config = generate(req)
-        report[job["generate"]] = {"mesh": config["mesh"], "devices": config["devices"]}
+        report[job["generate"]] = {"mesh": config["mesh"], "devices": config["devices"], "loras": "loras" in config}
     elif "open_missing" in job:
         before = compile_stats()
         try:
@@ -43,6 +46,21 @@ for job in jobs:
             report["open_missing"] = {"error": None}
         except InputError as exc:
             report["open_missing"] = {"error": str(exc), "compiles": compile_stats().since(before).xla_compiles}
+    elif "cancel" in job:
+        family = open_model(GenerateRequest(model=job["model"], output_dir=str(out / "cancel"), dtype="float32",
+                                            mesh=job["mesh"]))
+        embeddings = family.encode("a panda playing a guitar", "blurry, low quality")
+        settings = SampleSettings(job["height"], job["width"], job["frames"], steps=job["steps"], guidance=6.0, seed=4)
+        done = []
+        result = {}
+        try:
+            family.sample(embeddings, settings, on_step=lambda i, n: done.append(i),
+                          should_stop=lambda: len(done) >= job["cancel"])
+        except Interrupted as exc:
+            result["interrupted"] = str(exc)
+        family.sample(embeddings, settings)
+        result["next_sample"] = "ok"
+        report["cancel"] = result
     elif "kill" in job:
         family = open_model(GenerateRequest(model=job["model"], output_dir=str(out / "kill"), dtype="float32",
                                             mesh=job["mesh"]))

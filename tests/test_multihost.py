@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 
 from tpu_runtime.errors import InputError
 from tpu_runtime.multihost import _check_files, file_fingerprint, source_fingerprints
-from tpu_runtime.tiny import TinySpec, TinyWanSpec, build_tiny_cogvideox, build_tiny_wan
+from tpu_runtime.tiny import TinySpec, TinyWanSpec, build_tiny_cogvideox, build_tiny_lora, build_tiny_wan
 
 JOB = str(Path(__file__).with_name("multihost_job.py"))
 SIZE = {"height": 32, "width": 64, "frames": 9}
@@ -32,8 +32,9 @@ HEARTBEAT = 4
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     base = tmp_path_factory.mktemp("multihost")
+    wan = build_tiny_wan(base / "wan", "2.1", seed=3, spec=TinyWanSpec(heads=8, layers=1))
     return {"cogvideox": build_tiny_cogvideox(base / "cogvideox", "5b", seed=3, spec=TinySpec("5b", heads=8)),
-            "wan": build_tiny_wan(base / "wan", "2.1", seed=3, spec=TinyWanSpec(heads=8, layers=1))}
+            "wan": wan, "wan_lora": build_tiny_lora(wan / "transformer", base / "wan_lora.safetensors", seed=5)}
 
 
 def _free_port() -> int:
@@ -80,8 +81,11 @@ def _run_slice(tmp: Path, jobs, driver_cwd: Path, worker_cwd: Path):
 
 
 def _generate_jobs(models):
-    return [{"generate": f"{family}_{axis}", "model": str(path), "mesh": mesh, **SIZE}
-            for family, path in models.items() for axis, mesh in MESHES.items()]
+    """Both families on both meshes; Wan with a LoRA on tp=8 (its merge then runs on weights split over both
+    processes)."""
+    return [{"generate": f"{family}_{axis}", "model": str(models[family]), "mesh": mesh, **SIZE,
+             "loras": [f"{models['wan_lora']}:0.8"] if (family, axis) == ("wan", "tp") else []}
+            for family in ("cogvideox", "wan") for axis, mesh in MESHES.items()]
 
 
 @pytest.fixture(scope="module")
@@ -117,9 +121,11 @@ def test_two_processes_give_the_one_process_frames(two_processes, one_process):
         for axis, mesh in MESHES.items():
             name = f"{family}_{axis}"
             assert report[name]["devices"] == 8 and report[name]["mesh"] == mesh
+            assert report[name]["loras"] == single[name]["loras"] == (name == "wan_tp")
             got = load_file(out / name / "frames.safetensors")["frames"]
             want = load_file(single_out / name / "frames.safetensors")["frames"]
             assert got.shape == want.shape and np.isfinite(got).all()
+            print(name, "max |slice - one process|", np.abs(got - want).max())
             assert np.abs(got - want).max() < 1e-5, (name, np.abs(got - want).max())
     # The worker ran every call and stopped when process 0 closed the slice.
     assert worker_code == 0, worker_log[-3000:]
@@ -134,17 +140,24 @@ def test_a_worker_without_the_model_is_named_before_any_compile(two_processes):
     # ...and the slice stayed in step: the generations after it ran (checked above) on both processes.
 
 
-def test_a_killed_worker_is_reported_and_the_first_process_lives_on(models, tmp_path):
+def test_cancel_stops_every_process_at_the_same_step_and_a_killed_worker_is_reported(models, tmp_path):
     driver_cwd = tmp_path / "first_host"
     driver_cwd.mkdir()
 
     def jobs(worker_pid):
-        return [{"kill": worker_pid, "at_step": 2, "steps": 8, "model": str(models["cogvideox"]),
+        return [{"cancel": 3, "steps": 8, "model": str(models["cogvideox"]), "mesh": MESHES["tp"], **SIZE},
+                {"kill": worker_pid, "at_step": 2, "steps": 8, "model": str(models["cogvideox"]),
                  "mesh": MESHES["dp"], "wait": HEARTBEAT * 3, **SIZE}]
 
     start = time.monotonic()
-    report, worker_code, _ = _run_slice(tmp_path, jobs, driver_cwd, driver_cwd)
+    report, worker_code, worker_log = _run_slice(tmp_path, jobs, driver_cwd, driver_cwd)
+    # Cancel after step 3: both processes stop before step 4, and the next sample runs on both.
+    cancel = report["cancel"]
+    assert "before step 4 of 8" in cancel["interrupted"], cancel
+    assert "sampling interrupted before step 4 of 8, as on the first process" in worker_log
+    assert cancel["next_sample"] == "ok"
     kill = report["kill"]
+    print("kill report:", kill)
     assert worker_code == -9
     assert kill["error"] and "worker 1" in kill["error"] and "incomplete" in kill["error"], kill
     assert kill["seconds_after_kill"] < 30, kill
@@ -152,6 +165,20 @@ def test_a_killed_worker_is_reported_and_the_first_process_lives_on(models, tmp_
     assert kill["next_call"] and "worker 1" in kill["next_call"] and kill["next_call_seconds"] < 1, kill
     assert kill["alive"] is True
     assert time.monotonic() - start < 600
+
+
+def test_a_worker_that_never_joins_is_named_and_the_first_process_lives_on(tmp_path):
+    (tmp_path / "jobs.json").write_text("[]")
+    env = _slice_env(_free_port(), 0)
+    env["TPU_VIDEO_JOIN_TIMEOUT"] = "3"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "tpu_runtime", "generate", "--model", "nothing-needed",
+                           "--output-dir", str(tmp_path / "out")], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]  # an error reported, not a crash (which would be -6)
+    assert "the slice is incomplete: worker 1 did not join 127.0.0.1:" in proc.stderr
+    assert "within 3 s" in proc.stderr and "python -m tpu_runtime worker" in proc.stderr
+    assert time.monotonic() - start < 120
 
 
 def test_a_different_file_on_a_worker_is_named(tmp_path):

@@ -229,3 +229,23 @@ def test_planned_programs_do_not_touch_the_runtime_program_table_or_cache(runtim
     assert torch.is_grad_enabled()
     jax.jit(lambda x: x * 3.25 + 1.0).lower(jnp.ones((7, 3))).compile()  # a CPU program of this process: cached
     assert len(cache_files() - files) >= 1
+
+
+def test_a_multi_host_slice_is_planned_per_chip():
+    """v6e-16 is four hosts of four chips: one mesh over all 16 (tp=8 across hosts), per-chip memory reported and
+    equal to the band from the parameter shapes on that mesh."""
+    from tpu_runtime.plan import open_abstract
+
+    mesh = "dp=2,sp=1,tp=8"
+    report = plan(ModelSource("wan2.1-t2v-14b"), "v6e-16", mesh=mesh, height=64, width=64, frames=5,
+                  stages=("sample",), layers=1)
+    assert (report.chips, report.hosts, report.chip_hbm_bytes) == (16, 4, 32 * GIB)
+    sample = report.stages["sample"]
+    assert sample.compiled and report.fits
+    family = open_abstract(ModelSource("wan2.1-t2v-14b"), parse_topology("v6e-16").devices(), _tmp(), mesh=mesh,
+                           layers=1)
+    family._component("transformer")
+    assert len(family.devices) == 16
+    assert sample.weights_bytes_per_chip == _param_bytes_per_chip(family, "transformer")
+    assert 0 < sample.total_bytes_per_chip < report.chip_hbm_bytes
+    assert sample.all_reduces >= 2 and sample.all_gathers == 0 and sample.mosaic_kernels == 2

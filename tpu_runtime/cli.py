@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if verbose or args.command == "demo" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("tpu_runtime").setLevel(logging.INFO)
-    from .errors import InputError
+    from .errors import InputError, SliceError
 
     try:
         if args.command == "demo":
@@ -142,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except SliceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 def _worker(args: argparse.Namespace) -> int:

@@ -85,24 +85,28 @@ def _worker_names(processes: int) -> dict[int, str]:
     return {i: f"worker {i}" + (f" ({hosts[i]})" if len(hosts) == processes else "") for i in range(processes)}
 
 
+_join_failure: SliceError | None = None
+
+
 def join(settings: SliceSettings) -> "Slice":
     """Join the slice with ``jax.distributed`` (before JAX starts a backend) and return it.
 
     JAX's default coordination client ends the process when a peer misses its heartbeats or never joins; that
     would take the ComfyUI server down with a worker. The client is made with a callback instead, and the
     service with recoverable tasks, so a lost worker becomes an error this process reports and survives."""
+    global _join_failure
+    if _join_failure is not None:  # JAX joins once per process: a failed join stays failed until a restart
+        raise SliceError(str(_join_failure))
     import jax
     from jax._src import distributed
     from jax._src.lib import _jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU meshes across processes
     jax.config.update("jax_enable_recoverability", True)
-    failures: list[str] = []
     original = _jax.get_distributed_runtime_client
 
     def on_error(status, *_):
-        failures.append(str(status))
-        log.error("the slice lost a process: %s", status)
+        log.error("the slice's coordination service reports: %s", status)
 
     _jax.get_distributed_runtime_client = functools.partial(original, missed_heartbeat_callback=on_error)
     start = time.perf_counter()
@@ -113,16 +117,17 @@ def join(settings: SliceSettings) -> "Slice":
     except Exception as exc:  # noqa: BLE001 - the client reports a missing peer in several ways
         n = settings.processes or 0
         names = ", ".join(_worker_names(n)[i] for i in range(1, n)) if n > 1 else "the workers"
-        raise SliceError(
+        _join_failure = SliceError(
             f"the slice is incomplete: {names} did not join {settings.coordinator or 'the coordinator'} within "
-            f"{settings.join_timeout} s ({str(exc).splitlines()[0][:200]}). Start `python -m tpu_runtime worker` on "
-            "every other host (same coordinator and process count), then restart this process") from exc
+            f"{settings.join_timeout} s. Start `python -m tpu_runtime worker` on "
+            "every other host (same coordinator and process count), then restart this process")
+        log.debug("jax.distributed.initialize: %s", exc)
+        raise _join_failure from exc
     finally:
         _jax.get_distributed_runtime_client = original
     state = distributed.global_state
     joined = Slice(state.client, jax.process_index(), jax.process_count(), settings.worker_timeout,
                    settings.heartbeat_timeout)
-    joined.failures = failures
     joined.start_heartbeat()
     log.info("joined a slice of %d processes as process %d in %.1f s", joined.processes, joined.process_id,
              time.perf_counter() - start)
@@ -266,7 +271,6 @@ class Slice:
         self.heartbeat_timeout = float(heartbeat_timeout)
         self.names = _worker_names(processes)
         self.broken: str | None = None
-        self.failures: list[str] = []
         self._next = 0
         self._inside = threading.local()
         self._lock = threading.RLock()
@@ -410,7 +414,7 @@ class Slice:
             refused = {i: why for i, why in ready.items() if why != "ok"}
             self._set(f"go/{n}", "abort" if refused else "run")
             if refused:
-                self._forget(n, blobs=encoder.blobs)
+                self._forget(n)
                 raise InputError("; ".join(f"{self.names[i]}: {why}" for i, why in refused.items()))
             if "should_stop" in kwargs or method == "sample":
                 kwargs = {**kwargs, "should_stop": self._step_gate(n, kwargs.get("should_stop"), what)}
@@ -428,7 +432,7 @@ class Slice:
                 raise self._fail("the slice is out of step: " + "; ".join(
                     f"{self.names[i]} failed {what}: {why}" for i, why in failed.items()) +
                     ". Restart the workers and this process")
-            self._forget(n, blobs=encoder.blobs)
+            self._forget(n)
             self._remember(n, result)
             return result
 
@@ -470,14 +474,14 @@ class Slice:
             while len(self._known) > KEEP_VALUES:
                 self._known.popitem(last=False)
 
-    def _forget(self, n: int, blobs=()) -> None:
+    def _forget(self, n: int) -> None:
         for key in ("call", "go"):
             self._delete(f"{key}/{n}")
         for i in self.workers:
             self._delete(f"ready/{n}/{i}")
             self._delete(f"done/{n}/{i}")
-        self._delete(f"step/{n}/")
-        self._delete(f"blob/{n}/")
+        self._delete(f"step/{n}")  # the store deletes a key with everything under it
+        self._delete(f"blob/{n}")
 
     def _delete(self, key: str) -> None:
         with contextlib.suppress(Exception):
@@ -585,6 +589,7 @@ def serve(runtime, slice_: Slice) -> int:
                         ctx.values.popitem(last=False)
                 done = "ok"
             except Interrupted as exc:
+                log.info("call %d: %s, as on the first process", n, exc)
                 done = f"interrupted: {exc}"
             except Exception as exc:  # noqa: BLE001
                 log.exception("call %d failed", n)

@@ -467,11 +467,11 @@ def format_report(r: PlanReport) -> str:
         f"{r.attention} attention{depth})",
         f"  on {r.topology}: {r.chips} chip(s), {r.hosts} host(s), {_gib(r.chip_hbm_bytes)} GiB HBM per chip; "
         f"mesh {r.mesh}{', FSDP' if r.fsdp else ''}, VAE {r.vae_sharding}",
-        f"  {'stage':<8}{'compiled':>9}{'weights':>9}{'temp':>8}{'total':>8}  GiB/chip"
+        f"  {'stage':<12}{'compiled':>9}{'weights':>9}{'temp':>8}{'total':>8}  GiB/chip"
         f"{'all-red':>9}{'all-gat':>9}{'mosaic':>8}{'compile s':>11}",
     ]
     for name, s in r.stages.items():
-        lines.append(f"  {name:<8}{'yes' if s.compiled else 'NO':>9}{_gib(s.weights_bytes_per_chip):>9}"
+        lines.append(f"  {name:<12}{'yes' if s.compiled else 'NO':>9}{_gib(s.weights_bytes_per_chip):>9}"
                      f"{_gib(s.temp_bytes_per_chip):>8}{_gib(s.total_bytes_per_chip):>8}          "
                      f"{s.all_reduces:>9}{s.all_gathers:>9}{s.mosaic_kernels:>8}{s.compile_seconds:>11.1f}")
         if s.error:
