@@ -1,7 +1,7 @@
 """Try the pack in a real ComfyUI server, as a new user would (run by hand; CI has no ComfyUI).
 
     python tests/comfy_server_trial.py --comfy COMFYUI_CHECKOUT --python COMFY_VENV_PYTHON [--port 8188]
-        [--family cogvideox|wan|both]
+        [--family cogvideox|wan|both] [--slice]
 
 It links this folder into COMFYUI_CHECKOUT/custom_nodes, builds tiny random-weight models where ComfyUI keeps
 them (CogVideoX-2b as a diffusers folder in models/diffusers; Wan 2.1 as ComfyUI's single files in
@@ -10,6 +10,10 @@ our nodes appear in /object_info, and per family turns the example workflow (siz
 runs it through POST /prompt until Save Video writes an mp4, checks that a bad input is reported on the node,
 runs a long prompt, presses Cancel (POST /interrupt) after its first steps, checks that the next prompt still
 succeeds and that /free releases our weights. Prints a line per check and exits non-zero on the first failure.
+
+--slice makes it a two-process slice on this machine: the server is process 0 (TPU_VIDEO_MULTIHOST=1) and
+`python -m tpu_runtime worker` process 1, 4 CPU devices each, so every prompt runs on one 8-device mesh across
+both; at the end it checks that the worker ran the calls and stops when the server does.
 """
 
 from __future__ import annotations
@@ -174,6 +178,7 @@ def main() -> int:
     ap.add_argument("--python", required=True)
     ap.add_argument("--port", type=int, default=8188)
     ap.add_argument("--family", choices=["cogvideox", "wan", "both"], default="both")
+    ap.add_argument("--slice", action="store_true", help="the server plus one worker process (see above)")
     args = ap.parse_args()
     comfy, port = args.comfy.resolve(), args.port
 
@@ -182,6 +187,14 @@ def main() -> int:
         link.symlink_to(ROOT)
     build_models(comfy, args.python)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
+    worker = None
+    if args.slice:
+        env.update(TPU_VIDEO_MULTIHOST="1", TPU_VIDEO_COORDINATOR=f"127.0.0.1:{port + 1}", TPU_VIDEO_PROCESSES="2",
+                   TPU_VIDEO_PROCESS_ID="0", JAX_NUM_CPU_DEVICES="4")
+        worker_log = open(comfy / "trial_worker.log", "w")
+        worker = subprocess.Popen([args.python, "-m", "tpu_runtime", "worker", "--process-id", "1"], cwd=ROOT,
+                                  env=dict(env, TPU_VIDEO_PROCESS_ID="1"), stdout=worker_log,
+                                  stderr=subprocess.STDOUT)
     log = open(comfy / "trial_server.log", "w")
     server = subprocess.Popen([args.python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port)],
                               cwd=comfy, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -206,10 +219,20 @@ def main() -> int:
         print("loaders list the tiny models from ComfyUI's model folders")
         for family in (["cogvideox", "wan"] if args.family == "both" else [args.family]):
             trial(family, port, comfy, info)
+        if worker is not None:
+            server.terminate()
+            server.wait(timeout=30)
+            code = worker.wait(timeout=60)
+            calls = (comfy / "trial_worker.log").read_text().count(" call ")
+            assert calls > 0 and "in 2 processes" in (comfy / "trial_server.log").read_text()
+            print(f"slice: the worker ran {calls} calls of the server on the 8-device mesh and stopped with it "
+                  f"(exit {code})")
         return 0
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        for proc in (server, worker):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
 
 
 if __name__ == "__main__":

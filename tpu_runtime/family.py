@@ -190,7 +190,10 @@ def jax_dtype(dtype: torch.dtype):
 # --- the base class ------------------------------------------------------------------------------------------
 class ModelFamily:
     """A loaded model of one family. Subclasses set ``FAMILY``, ``signature``, ``heads`` and the component loaders,
-    and implement ``validate``, ``encode``, ``sample``, ``decode`` with the helpers below."""
+    and implement ``validate``, ``encode``, ``sample``, ``decode`` with the helpers below.
+
+    Construction and the calls named in ``multihost.REPLAYED`` run on every process of a multi-host slice (a new
+    stage method that runs programs on the devices belongs in that list)."""
 
     FAMILY = "?"
     FAMILY_NAME = "?"  # as users write it

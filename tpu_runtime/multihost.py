@@ -143,11 +143,13 @@ def file_fingerprint(path: Path) -> str:
 
 
 def source_fingerprints(paths) -> dict[str, str]:
-    """path -> fingerprint of every file under ``paths`` (files or folders)."""
+    """path -> fingerprint of every file under ``paths`` (files or folders; hidden ones skipped: the hub's download
+    records differ from host to host)."""
     out = {}
     for p in paths:
         p = Path(p).expanduser()
-        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+        files = sorted(f for f in p.rglob("*") if f.is_file() and not any(
+            part.startswith(".") for part in f.relative_to(p).parts)) if p.is_dir() else [p]
         for f in files:
             if f.is_file():
                 out[str(f)] = file_fingerprint(f)
