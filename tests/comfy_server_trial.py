@@ -80,7 +80,7 @@ FAMILIES = {
     "cogvideox": {
         "workflow": "cogvideox_2b_t2v_tpu.json", "prefix": "TPUCogVideoX", "loader": "TPUCogVideoXLoader",
         "sampler": "TPUCogVideoXSampler", "model_label": "CogVideoX-2b-tiny",
-        "nodes": ["TPUCogVideoXDecode", "TPUCogVideoXLoader", "TPUCogVideoXSampler", "TPUCogVideoXTextEncode"],
+        "nodes": ["TPUCogVideoXDecode", "TPUCogVideoXLoRA", "TPUCogVideoXLoader", "TPUCogVideoXSampler", "TPUCogVideoXTextEncode"],
         "small": {"TPUCogVideoXLoader": {"model": "CogVideoX-2b-tiny", "dtype": "float32"},
                   "TPUCogVideoXSampler": {"width": 96, "height": 64, "frames": 9, "steps": 3}},
         "bad_frames": (10, "frames=10 must be 8*N+1 for CogVideoX-2b"),
@@ -89,7 +89,7 @@ FAMILIES = {
     "wan": {
         "workflow": "wan2.1_t2v_1.3B_tpu.json", "prefix": "TPUWan", "loader": "TPUWanModelFilesLoader",
         "sampler": "TPUWanSampler", "model_label": "wan_transformer_fp16",
-        "nodes": ["TPUWanDecode", "TPUWanLoader", "TPUWanModelFilesLoader", "TPUWanSampler", "TPUWanTextEncode"],
+        "nodes": ["TPUWanDecode", "TPUWanLoRA", "TPUWanLoader", "TPUWanModelFilesLoader", "TPUWanSampler", "TPUWanTextEncode"],
         "small": {"TPUWanModelFilesLoader": {"diffusion_model": "wan_transformer_fp16.safetensors",
                                              "text_encoder": "umt5_fp16.safetensors",
                                              "vae": "wan_vae_bf16.safetensors", "dtype": "float32"},

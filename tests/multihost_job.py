@@ -8,7 +8,8 @@ JOBS_JSON is a list of steps run in order:
       generate() into OUT_DIR/NAME (float32, 2 steps, CFG, seed 4)
   {"open_missing": PATH}     open a model the workers do not have: report the error and the compiles made
   {"cancel": K, "model": PATH, "mesh": MESH, "steps": N, ...sizes}
-      sample with Cancel pressed after step K; report the message; then sample again (the slice kept in step)
+      sample with Cancel pressed after step K (should_stop), then with the step callback raising after step K (as
+      ComfyUI's progress bar does); report the messages; then sample again (the slice kept in step)
   {"kill": PID, "at_step": K, "model": PATH, "mesh": MESH, ...sizes}
       sample, SIGKILL process PID after step K; report the error, how long it took, then that the next call is
       refused at once and this process is still alive after the coordinator's heartbeat timeout
@@ -26,6 +27,12 @@ from tpu_runtime.errors import InputError, Interrupted, SliceError
 from tpu_runtime.family import SampleSettings
 from tpu_runtime.generate import GenerateRequest, generate, open_model
 from tpu_runtime.runtime import compile_stats, get_runtime
+
+
+
+class InterruptProcessingException(Exception):
+    """What ComfyUI's progress bar raises on Cancel."""
+
 
 out, jobs = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
 runtime = get_runtime()
@@ -58,6 +65,15 @@ for job in jobs:
                           should_stop=lambda: len(done) >= job["cancel"])
         except Interrupted as exc:
             result["interrupted"] = str(exc)
+        # ComfyUI's progress bar raises its own exception on Cancel, from the step callback, between two steps.
+        def on_step(i, total):
+            if i == job["cancel"]:
+                raise InterruptProcessingException("progress bar: processing interrupted")
+
+        try:
+            family.sample(embeddings, settings, on_step=on_step)
+        except InterruptProcessingException as exc:
+            result["raised_in_on_step"] = str(exc)
         family.sample(embeddings, settings)
         result["next_sample"] = "ok"
         report["cancel"] = result

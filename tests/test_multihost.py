@@ -155,6 +155,9 @@ def test_cancel_stops_every_process_at_the_same_step_and_a_killed_worker_is_repo
     cancel = report["cancel"]
     assert "before step 4 of 8" in cancel["interrupted"], cancel
     assert "sampling interrupted before step 4 of 8, as on the first process" in worker_log
+    # An exception from the step callback (ComfyUI's progress bar on Cancel) stops the workers at that boundary too.
+    assert cancel["raised_in_on_step"] == "progress bar: processing interrupted"
+    assert worker_log.count("sampling interrupted before step 4 of 8, as on the first process") == 2, worker_log
     assert cancel["next_sample"] == "ok"
     kill = report["kill"]
     print("kill report:", kill)

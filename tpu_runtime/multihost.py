@@ -113,7 +113,8 @@ def join(settings: SliceSettings) -> "Slice":
     try:
         jax.distributed.initialize(settings.coordinator, settings.processes, settings.process_id,
                                    initialization_timeout=settings.join_timeout,
-                                   heartbeat_timeout_seconds=settings.heartbeat_timeout)
+                                   heartbeat_timeout_seconds=settings.heartbeat_timeout,
+                                   shutdown_timeout_seconds=30)  # a stuck worker must not hold up our exit
     except Exception as exc:  # noqa: BLE001 - the client reports a missing peer in several ways
         n = settings.processes or 0
         names = ", ".join(_worker_names(n)[i] for i in range(1, n)) if n > 1 else "the workers"
@@ -418,14 +419,18 @@ class Slice:
             if refused:
                 self._forget(n)
                 raise InputError("; ".join(f"{self.names[i]}: {why}" for i, why in refused.items()))
+            gate = None
             if "should_stop" in kwargs or method == "sample":
-                kwargs = {**kwargs, "should_stop": self._step_gate(n, kwargs.get("should_stop"), what)}
+                gate = self._step_gate(n, kwargs.get("should_stop"), what)
+                kwargs = {**kwargs, "should_stop": gate}
             try:
                 with self._replaying():
                     result = run(args, kwargs)
             except SliceError:
                 raise
-            except Exception as exc:
+            except BaseException as exc:  # Ctrl-C too: the workers must not wait for a step that never comes
+                if gate is not None:
+                    gate.close()  # e.g. ComfyUI's progress bar raised on Cancel between two steps
                 self._after_failure(n, what, exc)
                 raise
             done = self._collect(f"done/{n}", f"running {what}")
@@ -455,19 +460,8 @@ class Slice:
             raise lost from exc
         self._forget(n)
 
-    def _step_gate(self, n: int, should_stop, what: str):
-        """Before each step: are the workers alive; stop or go (Cancel), published for the workers."""
-        count = [0]
-
-        def gate() -> bool:
-            i = count[0]
-            count[0] += 1
-            self.check_workers(f"before step {i + 1} of {what}")
-            stop = bool(should_stop()) if should_stop is not None else False
-            self._set(f"step/{n}/{i}", "stop" if stop else "go")
-            return stop
-
-        return gate
+    def _step_gate(self, n: int, should_stop, what: str) -> "_StepGate":
+        return _StepGate(self, n, should_stop, what)
 
     def _remember(self, n: int, result) -> None:
         if type(result).__name__ in _stage_value_types():
@@ -500,6 +494,29 @@ class Slice:
         self._closed = True
         with self._lock:
             self._set(f"call/{self._next}", json.dumps({"op": "shutdown", "n": self._next}))
+
+
+class _StepGate:
+    """The first process's ``should_stop`` for one replayed call: before each step, are the workers alive; then
+    stop or go (Cancel), published for the workers. ``close`` tells workers waiting for the next word to stop
+    (the call failed here between two steps)."""
+
+    def __init__(self, slice_: Slice, n: int, should_stop, what: str):
+        self.slice, self.n, self.should_stop, self.what = slice_, n, should_stop, what
+        self.count = 0
+
+    def __call__(self) -> bool:
+        i = self.count
+        self.slice.check_workers(f"before step {i + 1} of {self.what}")
+        stop = bool(self.should_stop()) if self.should_stop is not None else False
+        self.slice._set(f"step/{self.n}/{i}", "stop" if stop else "go")
+        self.count += 1
+        return stop
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.slice._set(f"step/{self.n}/{self.count}", "stop")
+            self.count += 1
 
 
 # --- the workers -----------------------------------------------------------------------------------------------------
