@@ -228,14 +228,18 @@ def test_device_buffers_stable_over_prompts_and_freed_on_unload(pack, tiny_model
     assert live_bytes() <= baseline + 64  # only torchax's PRNG key (8 bytes) may appear, never model buffers
 
 
-def test_nodes_run_under_comfy_inference_mode(pack, tiny_models):
-    """ComfyUI executes nodes inside torch.inference_mode(); tracing must still see decomposed ops."""
+def test_nodes_run_under_comfy_inference_mode(pack, tiny_models, tiny_wan):
+    """ComfyUI executes nodes inside torch.inference_mode(); tracing must still see decomposed ops (every trace:
+    the compiled programs and the shapes the Wan frame-by-frame decode works out for its later-frame program)."""
     import tpu_runtime.runtime as rt
 
-    rt.get_runtime().clear_programs()  # make the chain trace again, inside inference mode
+    rt.get_runtime().clear_programs()  # make the chains trace again, inside inference mode
     with torch.inference_mode():
         _, _, image = _run_chain(pack, tiny_models["2b"], steps=2, seed=1)
+        (wan,) = pack.NODE_CLASS_MAPPINGS["TPUWanLoader"]().load("", "float32", model_path=str(tiny_wan["2.1"]))
+        _, wan_image = _wan_chain(pack, wan, steps=2)
     assert image.shape == (9, 64, 96, 3)
+    assert wan_image.shape == (9, 64, 64, 3)
 
 
 # --- Wan -----------------------------------------------------------------------------------------------------------

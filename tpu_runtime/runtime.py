@@ -10,6 +10,7 @@ the model-family code that asked for them.
 from __future__ import annotations
 
 import logging
+import contextlib
 import os
 import threading
 import time
@@ -323,11 +324,19 @@ def lower(fn: Callable, *example_args, static: dict | None = None):
     import jax
 
     jitted = jax.jit(fn, static_argnames=tuple(static) if static else ())
-    # ComfyUI runs nodes under torch.inference_mode(), which skips the autograd dispatch key where torch
-    # decomposes composite ops (aten::dropout, ...) that torchax has no lowering for. Trace in plain no-grad
-    # mode instead: same numbers, every op decomposed as torchax expects.
-    with torch.inference_mode(False), torch.no_grad():
+    with tracing():
         return jitted.lower(*example_args, **(static or {}))
+
+
+@contextlib.contextmanager
+def tracing():
+    """What tracing torch code through torchax needs, around every trace (``lower``, ``jax.eval_shape``).
+
+    ComfyUI runs nodes under torch.inference_mode(), which skips the autograd dispatch key where torch
+    decomposes composite ops (aten::dropout, aten::conv3d, ...) that torchax has no lowering for. Trace in plain
+    no-grad mode instead: same numbers, every op decomposed as torchax expects."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 def jax_dtype_of(dtype: torch.dtype):

@@ -47,7 +47,7 @@ from .family import (
     jax_dtype,
     size_problems,
 )
-from .runtime import Runtime
+from .runtime import Runtime, tracing
 from .schedulers import euler_simple_scheduler, linear_plan
 from .sharding import UMT5_ENCODER_RULES, VAE_RULES, WAN_TRANSFORMER_RULES, MeshSpec
 
@@ -640,7 +640,7 @@ class WanFamily(ModelFamily):
                              f"{what}: the first two latent frames", scope, ("vae",), part="start")
         if z_shape[2] <= 2:
             return [first]
-        with scope():
+        with scope(), tracing():
             x_struct, _, cache_structs = jax.eval_shape(start_fn, *example)
 
         def placed(struct):
