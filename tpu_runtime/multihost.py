@@ -103,6 +103,9 @@ def join(settings: SliceSettings) -> "Slice":
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU meshes across processes
     jax.config.update("jax_enable_recoverability", True)
+    # JAX's preemption service turns SIGTERM into a preemption notice, so `kill` (or a service manager) could no
+    # longer stop the ComfyUI server; the pack does not checkpoint on preemption, so it is left off.
+    jax.config.update("jax_enable_preemption_service", False)
     original = _jax.get_distributed_runtime_client
 
     def on_error(status, *_):
