@@ -35,7 +35,7 @@ import torch
 from .attention import AttentionConfig, attention_scope, target_platform
 from .errors import InputError, Interrupted, StageFileError
 from .lora import LoraMerger, LoraSpec, name_aliases, read_lora
-from .multihost import replayed_method
+from .multihost import REPLAYED, replayed_init, replayed_method
 from .runtime import Runtime, compile_stats, get_runtime
 from .sharding import MeshSpec, default_mesh, parse_mesh, validate_mesh
 
@@ -203,8 +203,6 @@ class ModelFamily:
     def __init_subclass__(cls, **kwargs):
         """Every family's construction and stage calls are replayed on the workers of a multi-host slice."""
         super().__init_subclass__(**kwargs)
-        from .multihost import REPLAYED, replayed_init, replayed_method
-
         if "__init__" in cls.__dict__:
             cls.__init__ = replayed_init(cls.__dict__["__init__"])
         for name in REPLAYED:

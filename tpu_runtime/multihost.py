@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import io
 import json
 import logging
 import os

@@ -9,8 +9,8 @@ the model-family code that asked for them.
 
 from __future__ import annotations
 
-import logging
 import contextlib
+import logging
 import os
 import threading
 import time
