@@ -52,8 +52,11 @@ def test_blockwise_equals_reference(chunks):
 def test_block_sizes_fit_the_sequence():
     config = A.AttentionConfig()
     assert A.splash_block_sizes(config, 17776, 17776) == (3328, 2816, 256, 19968, 19712)
+    assert A.splash_block_sizes(config, 17776, 17776, head_dim=64) == (3328, 2816, 256, 19968, 19712)
     bq, bkv, bkvc, lq, lk = A.splash_block_sizes(config, 88, 88)
     assert (bq, bkv, bkvc, lq, lk) == (128, 128, 128, 128, 128)
+    # The Wan VAE's 384-wide single head at 480x832 (6240 tokens): blocks a third as long, still lane multiples.
+    assert A.splash_block_sizes(config, 6240, 6240, head_dim=384) == (1024, 768, 256, 7168, 6912)
     with pytest.raises(InputError, match="multiple of block_kv_compute"):
         A.AttentionConfig(block_kv=300, block_kv_compute=256)
     assert A.AttentionConfig().resolve("tpu").impl == "splash"

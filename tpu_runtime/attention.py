@@ -160,15 +160,26 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def splash_block_sizes(config: AttentionConfig, lq: int, lk: int) -> tuple[int, int, int, int, int]:
+SPLASH_BLOCK_HEAD_DIM = 128  # the head width the configured block sizes are for (the transformers': 64, 128)
+
+
+def splash_block_sizes(config: AttentionConfig, lq: int, lk: int, head_dim: int = SPLASH_BLOCK_HEAD_DIM
+                       ) -> tuple[int, int, int, int, int]:
     """Block sizes fitted to the sequence (never larger than it needs), and the padded lengths.
 
-    Blocks are multiples of 128 (the kernel's lane width); a long sequence uses the configured sizes.
+    Blocks are multiples of 128 (the kernel's lane width); a long sequence uses the configured sizes. Heads wider
+    than 128 get q and kv blocks narrower in proportion: a block's VMEM grows with its width, and the Wan VAE's
+    384-wide attention with the transformer's blocks needs more scoped VMEM than a TPU core has (the compiler
+    refuses it: CompileTimeScopedVmemOom).
     """
-    bq = min(config.block_q, _round_up(lq, 128))
+    wide = max(1, -(-head_dim // SPLASH_BLOCK_HEAD_DIM))
+    block_q = max(128, config.block_q // wide // 128 * 128)
+    block_kv = max(config.block_kv_compute, config.block_kv // wide // config.block_kv_compute
+                   * config.block_kv_compute)
+    bq = min(block_q, _round_up(lq, 128))
     bkv_c = min(config.block_kv_compute, _round_up(lk, 128))
     bkv_c = max(128, bkv_c // 128 * 128)
-    bkv = min(config.block_kv, _round_up(lk, bkv_c))
+    bkv = min(block_kv, _round_up(lk, bkv_c))
     bkv = max(bkv_c, bkv // bkv_c * bkv_c)
     return bq, bkv, bkv_c, _round_up(lq, bq), _round_up(lk, bkv)
 
@@ -190,7 +201,7 @@ def splash_attention(q, k, v, scale: float, config: AttentionConfig, interpret: 
 
     b, h, lq, d = q.shape
     lk = k.shape[2]
-    bq, bkv, bkv_c, lq_pad, lk_pad = splash_block_sizes(config, lq, lk)
+    bq, bkv, bkv_c, lq_pad, lk_pad = splash_block_sizes(config, lq, lk, d)
     q_seg = (jnp.arange(lq_pad) >= lq).astype(jnp.int32)  # 0 = real token, 1 = padding
     kv_seg = (jnp.arange(lk_pad) >= lk).astype(jnp.int32)
     qp = _pad_axis(q * jnp.asarray(scale, q.dtype), 2, lq_pad)
