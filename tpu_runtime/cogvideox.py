@@ -29,6 +29,7 @@ import torch
 from .attention import AttentionConfig, attention_scope
 from .errors import InputError, ModelFolderError, StageFileError
 from .family import (
+    ImageConditioning,
     ModelFamily,
     StageProgram,
     forwards_replaced,
@@ -48,8 +49,10 @@ log = logging.getLogger(__name__)
 
 FAMILY = "cogvideox"
 COMPONENTS = ("scheduler", "text_encoder", "tokenizer", "transformer", "vae")
+PIPELINES = ("CogVideoXPipeline", "CogVideoXImageToVideoPipeline")
 SCHEDULERS = {"ddim": "CogVideoXDDIMScheduler", "dpm": "CogVideoXDPMScheduler"}
 GROUP_NORMS = ("stock", "jnp_var")
+I2V_15_NATIVE = (768, 1360, 81)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 _C_SAMPLE, _C_MODEL, _C_DIV, _A, _M1, _P, _Q, _D, _GUIDANCE = range(len(COGVIDEOX_COEFFS))
 
@@ -78,10 +81,11 @@ def inspect_model_folder(path: str | Path, weights: bool = True) -> dict:
     cls = index.get("_class_name", "")
     if not cls.startswith("CogVideoX"):
         raise ModelFolderError(f"{folder} holds a {cls or 'unknown'} model, not CogVideoX: pick a CogVideoX folder")
-    if cls != "CogVideoXPipeline":
+    if cls not in PIPELINES:
         raise ModelFolderError(
-            f"{folder} holds a {cls} (image/video-to-video) model; only text-to-video CogVideoXPipeline models are "
-            "supported so far: use CogVideoX-2b, CogVideoX-5b or CogVideoX1.5-5B"
+            f"{folder} holds a {cls} model; this pack runs text-to-video (CogVideoXPipeline) and image-to-video "
+            "(CogVideoXImageToVideoPipeline) models: use CogVideoX-2b/5b, CogVideoX1.5-5B, CogVideoX-5b-I2V or "
+            "CogVideoX1.5-5B-I2V"
         )
     missing = []
     for name in COMPONENTS if weights else ("scheduler", "text_encoder", "transformer", "vae"):
@@ -160,6 +164,9 @@ class CogVideoXFamily(ModelFamily):
         self.text_len = int(self.transformer_config.get("max_text_seq_length", 226))
         self.vae_scale_spatial = 2 ** (len(self.vae_config["block_out_channels"]) - 1)
         self.vae_scale_temporal = int(self.vae_config.get("temporal_compression_ratio", 4))
+        c = self.transformer_config
+        # Image-to-video models take the image latents concatenated on channels: twice the output's channels.
+        self.image_input = "required" if int(c["in_channels"]) == 2 * int(c["out_channels"]) else "none"
         self._setup(dtype, runtime, mesh, attention, fsdp, heads=self.transformer_config["num_attention_heads"],
                     vae_sharding=vae_sharding, target_devices=target_devices)
 
@@ -231,6 +238,9 @@ class CogVideoXFamily(ModelFamily):
     def native_size(self) -> tuple[int, int, int]:
         c = self.transformer_config
         s = self.vae_scale_spatial
+        if self.generation == "1.5" and self.image_input != "none" and c["sample_height"] * s > I2V_15_NATIVE[0]:
+            # CogVideoX1.5-5B-I2V's positions are built for up to 2400x2400; its card's size is 768x1360.
+            return I2V_15_NATIVE
         return c["sample_height"] * s, c["sample_width"] * s, c["sample_frames"]
 
     def default_fps(self) -> int:
@@ -247,6 +257,12 @@ class CogVideoXFamily(ModelFamily):
             if height > max_h or width > max_w:
                 problems.append(f"height x width = {height}x{width} exceeds the {max_h}x{max_w} this "
                                 f"CogVideoX-{self.generation} model has positions for: use at most {max_h}x{max_w}")
+        if self.transformer_config.get("use_learned_positional_embeddings") and not problems:
+            native_h, native_w, _ = self.native_size()
+            if (height, width) != (native_h, native_w):
+                # diffusers refuses it too: learned positions exist for the training size only.
+                problems.append(f"height x width = {height}x{width}: this model ({self.label}) has learned "
+                                f"positions for {native_h}x{native_w} only: use height={native_h} width={native_w}")
         native = 81 if self.generation == "1.5" else 49
         problem = frame_problem(num_frames, frame_rule(self.generation), native, f"CogVideoX-{self.generation}")
         if problem:
@@ -304,6 +320,57 @@ class CogVideoXFamily(ModelFamily):
                             (self.dtype_name, shape), f"T5 text encoder for {self.text_len} tokens", self.traced,
                             ("text_encoder",))
 
+    # --- stage 1b: the image (image-to-video) ---------------------------------------------------------------
+    def encode_image(self, image, last_image=None, *, height: int, width: int, num_frames: int) -> ImageConditioning:
+        """The VAE posterior of the first frame ``image`` (a file, a PIL image or a ComfyUI IMAGE) resized to
+        ``height`` x ``width``; sampling draws from it. One compiled program per size."""
+        from .images import video_image
+
+        self.check_images(image is not None, last_image is not None)
+        self.validate(height, width, num_frames)
+        pixels = video_image(image, height, width)[:, :, None]  # [1, 3, 1, H, W]
+        program = self.image_program(height, width)
+        executable = self.compile_stage(program)
+        start = time.perf_counter()
+        mean, std = self.runtime.to_cpu(executable(program.example[0], self.put(pixels.to(self.dtype))))
+        self._record_run("image", start)
+        return ImageConditioning(mean, height, width, num_frames, self.signature, latents_std=std)
+
+    def image_program(self, height: int, width: int) -> StageProgram:
+        """The VAE encoder over one frame ``[1, 3, 1, H, W]``: the posterior's mean and std ``[1, C, 1, h, w]``."""
+        vae = self._component("vae")
+        vae.use_tiling = False
+
+        def posterior(module, pixels):
+            dist = module.encode(pixels).latent_dist
+            return dist.mean, dist.std
+
+        encode_fn = self.runtime.module_function(vae, posterior)
+
+        @contextlib.contextmanager
+        def scope():
+            with self.traced(), _vae_for_xla(vae, "stock"):
+                yield
+
+        example = (self._states["vae"], self.arg((1, 3, 1, height, width), self.dtype))
+        return StageProgram("image", encode_fn, example, (self.dtype_name, height, width),
+                            f"VAE encode of the first frame at {width}x{height}", scope, ("vae",))
+
+    def _image_latents(self, image: ImageConditioning, shape: tuple[int, ...], generator) -> torch.Tensor:
+        """The image's latents as the transformer takes them ``[1, T, C, h, w]``: a sample of the posterior (the
+        generator's first draw), scaled, in front of zero frames, as diffusers' ``prepare_latents`` makes them."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        mean = image.latents.to(self.dtype)
+        std = image.latents_std.to(self.dtype)
+        noise = randn_tensor(tuple(mean.shape), generator=generator, device=torch.device("cpu"), dtype=self.dtype)
+        first = (mean + std * noise).permute(0, 2, 1, 3, 4)  # [1, 1, C, h, w]
+        scale = float(self.vae_config.get("scaling_factor", 1.15258426))
+        # CogVideoX1.5's VAE config says invert_scale_latents: its I2V model was trained on unscaled-by-1/s latents.
+        first = first / scale if self.vae_config.get("invert_scale_latents") else first * scale
+        zeros = torch.zeros((1, shape[1] - 1, *first.shape[2:]), dtype=self.dtype)
+        return torch.cat([first, zeros], dim=1)
+
     # --- stage 2: sampling -------------------------------------------------------------------------------------
     def latent_shape(self, height: int, width: int, num_frames: int) -> tuple[tuple[int, ...], int]:
         """Shape ``[B, T, C, h, w]`` of the latents the sampler works on, and how many padding frames lead it."""
@@ -312,7 +379,7 @@ class CogVideoXFamily(ModelFamily):
         p_t = self.transformer_config.get("patch_size_t")
         if p_t and frames % p_t:
             pad = p_t - frames % p_t
-        channels = int(self.transformer_config["in_channels"])
+        channels = int(self.transformer_config["out_channels"])
         s = self.vae_scale_spatial
         return (1, frames + pad, channels, height // s, width // s), pad
 
@@ -347,11 +414,14 @@ class CogVideoXFamily(ModelFamily):
         settings: SampleSettings,
         on_step: Callable[[int, int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        image: ImageConditioning | None = None,
     ) -> VideoLatents:
-        """Denoise from seeded noise; ``on_step(i, total)`` after each step, ``should_stop()`` before each."""
+        """Denoise from seeded noise; ``on_step(i, total)`` after each step, ``should_stop()`` before each.
+        Image-to-video models take the first frame's ``image`` encoding."""
         s = settings
         self.validate(s.height, s.width, s.num_frames)
         self.validate_settings(s)
+        self.check_conditioning(image, s)
         self.check_steps(s.steps)
         self.check_embeddings(embeddings, (1, self.text_len, int(self.transformer_config["text_embed_dim"])))
         scheduler = self.scheduler(s.scheduler)
@@ -364,10 +434,12 @@ class CogVideoXFamily(ModelFamily):
         executable = self.compile_stage(program)
         state = program.example[0]
 
-        # Random draws, on CPU, in diffusers' order: the initial noise, then (DPM) the noise of every step.
+        # Random draws, on CPU, in diffusers' order: (image-to-video) the image's posterior sample, the initial
+        # noise, then (DPM) the noise of every step.
         generator = torch.Generator("cpu").manual_seed(int(s.seed))
         from diffusers.utils.torch_utils import randn_tensor
 
+        image_dev = None if image is None else self.put(self._image_latents(image, shape, generator))
         latents = randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=self.dtype)
         latents = latents * scheduler.init_noise_sigma
         scheduler.set_timesteps(s.steps, device="cpu")
@@ -384,6 +456,7 @@ class CogVideoXFamily(ModelFamily):
         noise_zero = put(torch.zeros(shape, dtype=self.dtype))  # DDIM adds no noise (its coefficient D is 0)
         old_x0 = put(torch.zeros(shape, dtype=torch.float32))  # no previous x0 before the first step (Q is 0)
         carry = {"latents": latents_dev, "old_x0": old_x0}
+        ofs_dev = self.put(torch.full((1,), 2.0, dtype=self.dtype)) if self._has_ofs() else None  # diffusers' ofs
 
         def step(i):
             noise = noise_zero
@@ -394,7 +467,7 @@ class CogVideoXFamily(ModelFamily):
                 noise = put(noise)
             carry["latents"], carry["old_x0"] = executable(
                 state, carry["latents"], embeds_dev, put(torch.tensor([int(timesteps[i])], dtype=torch.int32)),
-                put(torch.from_numpy(plan.coeffs[i])), noise, carry["old_x0"], rope_dev,
+                put(torch.from_numpy(plan.coeffs[i])), noise, carry["old_x0"], rope_dev, image_dev, ofs_dev,
             )
             return carry["latents"]
 
@@ -406,8 +479,12 @@ class CogVideoXFamily(ModelFamily):
         result = result[:, pad:].permute(0, 2, 1, 3, 4).float().contiguous()
         return VideoLatents(result, s.height, s.width, s.num_frames, self.signature)
 
+    def _has_ofs(self) -> bool:
+        return self.transformer_config.get("ofs_embed_dim") is not None
+
     def sample_program(self, height: int, width: int, num_frames: int, cfg: bool) -> StageProgram:
-        """One denoising step: CFG batch, transformer, guidance and the scheduler update, coefficients as arrays."""
+        """One denoising step: CFG batch, transformer, guidance and the scheduler update, coefficients as arrays.
+        Image-to-video: the image latents concatenated on channels (and CogVideoX1.5's ``ofs``)."""
         import jax
         import jax.numpy as jnp
 
@@ -418,11 +495,12 @@ class CogVideoXFamily(ModelFamily):
         batch_sharding = self.runtime.sharding(self.mesh, ("dp",))
         replicated = self.runtime.sharding(self.mesh)
 
-        def step_fn(state, latents, embeds, timestep, coeffs, noise, old_x0, rope):
-            x = jnp.concatenate([latents, latents]) if cfg else latents
+        def step_fn(state, latents, embeds, timestep, coeffs, noise, old_x0, rope, image_latents, ofs):
+            x = latents if image_latents is None else jnp.concatenate([latents, image_latents], axis=2)
+            x = jnp.concatenate([x, x]) if cfg else x
             x = jax.lax.with_sharding_constraint(x, batch_sharding)  # CFG's two halves on dp
             t = jnp.broadcast_to(timestep, (x.shape[0],))
-            out = transformer_fn(state, x, embeds, t, image_rotary_emb=rope, return_dict=False)[0]
+            out = transformer_fn(state, x, embeds, t, ofs=ofs, image_rotary_emb=rope, return_dict=False)[0]
             out = out.astype(jnp.float32)
             if cfg:
                 uncond, text = jnp.split(out, 2)
@@ -439,8 +517,10 @@ class CogVideoXFamily(ModelFamily):
         arg = self.arg
         example = (self._states["transformer"], arg(shape, self.dtype), arg(embeds_shape, self.dtype, ("dp",)),
                    arg((1,), torch.int32), arg((len(COGVIDEOX_COEFFS),), torch.float32), arg(shape, self.dtype),
-                   arg(shape, torch.float32), tuple(arg(t.shape, t.dtype) for t in rope) if rope else None)
-        key = (self.generation, self.dtype_name, cfg, shape, embeds_shape, self.attention)
+                   arg(shape, torch.float32), tuple(arg(t.shape, t.dtype) for t in rope) if rope else None,
+                   arg(shape, self.dtype) if self.image_input != "none" else None,
+                   arg((1,), self.dtype) if self._has_ofs() else None)
+        key = (self.generation, self.dtype_name, cfg, shape, embeds_shape, self.image_input, self.attention)
         return StageProgram("sample", step_fn, example, key,
                             f"sampler step for {num_frames}x{height}x{width} ({'CFG batch 2' if cfg else 'no CFG'},"
                             f" mesh {self.mesh_spec}, {self.attention.impl} attention)", self.traced,
@@ -454,7 +534,8 @@ class CogVideoXFamily(ModelFamily):
         self.check_cfg_mesh(cfg)
         shape, pad = self.latent_shape(s.height, s.width, s.num_frames)
         z_shape = (1, int(self.vae_config["latent_channels"]), shape[1] - pad, shape[3], shape[4])
-        return [self.encode_program(), self.sample_program(s.height, s.width, s.num_frames, cfg),
+        image = [self.image_program(s.height, s.width)] if self.image_input != "none" else []
+        return [self.encode_program(), *image, self.sample_program(s.height, s.width, s.num_frames, cfg),
                 self.decode_program(z_shape)]
 
     # --- stage 3: decode ---------------------------------------------------------------------------------------

@@ -69,6 +69,26 @@ class VideoLatents:
 
 
 @dataclass
+class ImageConditioning:
+    """Image-encode output: what sampling takes from the first (and last) image, CPU tensors, for one video size.
+
+    ``latents``: the VAE encoding of the conditioning (CogVideoX: the image posterior's mean ``[1, C, 1, h, w]``;
+    Wan: the normalised latent condition, with its frame mask in front for the models that concatenate it);
+    ``latents_std``: CogVideoX only, the posterior's std: sampling draws ``mean + std * noise`` from the seed as
+    its first random draw, as diffusers does; ``image_embeds``: Wan 2.1 I2V / FLF2V, the CLIP vision hidden
+    states ``[images, 257, 1280]``."""
+
+    latents: torch.Tensor
+    height: int
+    width: int
+    num_frames: int
+    model_signature: str
+    latents_std: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
+    last_image: bool = False
+
+
+@dataclass
 class SampleSettings:
     """One generation's sampling settings. Options a model does not have are refused by its family, not ignored."""
 
@@ -199,6 +219,8 @@ class ModelFamily:
     FAMILY_NAME = "?"  # as users write it
     DEFAULT_GUIDANCE = 6.0
     two_experts = False  # Wan 2.2 A14B: a second (low-noise) transformer
+    image_input = "none"  # "none": text-to-video; "required": image-to-video; "optional": either (Wan TI2V-5B)
+    last_image_input = False  # Wan FLF2V: a last image as well as the first
 
     def __init_subclass__(cls, **kwargs):
         """Every family's construction and stage calls are replayed on the workers of a multi-host slice."""
@@ -345,6 +367,42 @@ class ModelFamily:
                     len(merger.touched))
 
     # --- checks ----------------------------------------------------------------------------------------------
+    def check_images(self, image_given: bool, last_image_given: bool, how: tuple[str, str] = ("--image",
+                     "--last-image")) -> None:
+        """Refuse an image this model does not take, or a missing one it needs (``how``: what the user sets)."""
+        first, last = how
+        if self.image_input == "none" and (image_given or last_image_given):
+            raise InputError(f"{self.label} is a text-to-video model and takes no image: drop {first}, or load an "
+                             "image-to-video model (e.g. CogVideoX-5b-I2V, Wan2.1-I2V-14B-480P)")
+        if self.image_input == "required" and not image_given:
+            raise InputError(f"{self.label} is an image-to-video model: give the first frame with {first}")
+        if last_image_given and not self.last_image_input:
+            raise InputError(f"{self.label} takes only a first image: drop {last} (first-and-last-frame video is "
+                             "Wan2.1-FLF2V-14B's)")
+        if self.last_image_input and image_given and not last_image_given:
+            raise InputError(f"{self.label} makes a video between a first and a last frame: give {last} too")
+        if last_image_given and not image_given:
+            raise InputError(f"{last} needs {first} as well (the first frame)")
+
+    def check_conditioning(self, image: "ImageConditioning | None", s: "SampleSettings") -> None:
+        """Refuse sampling without the image an image-to-video model needs, or with one made for another model
+        or another video size."""
+        if image is None:
+            if self.image_input == "required":
+                raise InputError(f"{self.label} is an image-to-video model: encode the first frame (image encode "
+                                 "stage) and pass it to the sampler")
+            return
+        if self.image_input == "none":
+            raise InputError(f"{self.label} is a text-to-video model and takes no image: disconnect the image")
+        if image.model_signature != self.signature:
+            raise StageFileError("the image was encoded by a different model than the one sampling: re-run the "
+                                 "image encode stage with this model")
+        made, asked = (image.height, image.width, image.num_frames), (s.height, s.width, s.num_frames)
+        if made != asked:
+            raise InputError(f"the image was encoded for {made[2]} frames of {made[1]}x{made[0]} (width x height), "
+                             f"the sampler asks for {asked[2]} frames of {asked[1]}x{asked[0]}: encode it at the "
+                             "sampler's size, or set the sampler to the image encode's size")
+
     def check_made_here(self, value: "TextEmbeddings | VideoLatents") -> None:
         """Refuse embeddings or latents that a model of another architecture made."""
         if value.model_signature == self.signature:

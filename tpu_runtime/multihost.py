@@ -160,9 +160,9 @@ def source_fingerprints(paths) -> dict[str, str]:
 
 
 def _stage_value_types():
-    from .family import TextEmbeddings, VideoLatents
+    from .family import ImageConditioning, TextEmbeddings, VideoLatents
 
-    return {"TextEmbeddings": TextEmbeddings, "VideoLatents": VideoLatents}
+    return {"TextEmbeddings": TextEmbeddings, "VideoLatents": VideoLatents, "ImageConditioning": ImageConditioning}
 
 
 def _plain_types():
@@ -201,6 +201,12 @@ class _Encoder:
             return {"__dict__": [[self(k), self(v)] for k, v in value.items()]}
         if isinstance(value, Runtime):
             return {"__runtime__": True}
+        if type(value).__module__.startswith("PIL.") and hasattr(value, "tobytes"):  # an image to encode
+            import numpy as np
+
+            key = f"blob{len(self.blobs)}"
+            self.blobs[key] = _tensor_bytes(torch.from_numpy(np.asarray(value.convert("RGB")).copy()))
+            return {"__image__": key}
         if callable(value) and not dataclasses.is_dataclass(value):
             return {"__callback__": True}
         name = type(value).__name__
@@ -257,6 +263,11 @@ def _decode(value: Any, ctx: "_WorkerContext") -> Any:
         from safetensors.torch import load
 
         return load(ctx.blob(value["__blob__"]))["t"]
+    if "__image__" in value:
+        from PIL import Image
+        from safetensors.torch import load
+
+        return Image.fromarray(load(ctx.blob(value["__image__"]))["t"].numpy(), "RGB")
     if "__sent__" in value:
         cls = _stage_value_types()[value["__sent__"]]
         return cls(**{k: _decode(v, ctx) for k, v in value["fields"].items()})
@@ -636,7 +647,7 @@ def _worker_gate(slice_: Slice, n: int):
 
 
 # --- the hook every family's public calls go through ----------------------------------------------------------------
-REPLAYED = ("encode", "sample", "decode", "apply_loras", "release")
+REPLAYED = ("encode", "encode_image", "sample", "decode", "apply_loras", "release")
 
 
 def replayed_method(method):

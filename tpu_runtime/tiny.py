@@ -62,8 +62,11 @@ def _build_tokenizer(directory: Path) -> None:
     fast.save_pretrained(directory)
 
 
-def build_tiny_cogvideox(directory: str | Path, generation: str = "2b", seed: int = 0, spec: TinySpec | None = None) -> Path:
-    """Write a tiny random-weight CogVideoX ``generation`` folder in diffusers format and return its path."""
+def build_tiny_cogvideox(directory: str | Path, generation: str = "2b", seed: int = 0, spec: TinySpec | None = None,
+                         image_to_video: bool = False) -> Path:
+    """Write a tiny random-weight CogVideoX ``generation`` folder in diffusers format and return its path.
+    ``image_to_video`` (5b, 1.5): the I2V model of that generation (image latents concatenated on channels;
+    5b-I2V's learned positions, 1.5-I2V's ``ofs`` embedding and inverted latent scaling)."""
     import torch
     from diffusers import (
         AutoencoderKLCogVideoX,
@@ -75,6 +78,8 @@ def build_tiny_cogvideox(directory: str | Path, generation: str = "2b", seed: in
 
     if generation not in GENERATIONS:
         raise ValueError(f"generation must be one of {GENERATIONS}, got {generation!r}")
+    if image_to_video and generation == "2b":
+        raise ValueError("CogVideoX has image-to-video models for 5b and 1.5 only")
     spec = spec or TinySpec(generation)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -98,9 +103,10 @@ def build_tiny_cogvideox(directory: str | Path, generation: str = "2b", seed: in
     transformer = CogVideoXTransformer3DModel(
         num_attention_heads=spec.heads,
         attention_head_dim=spec.head_dim,
-        in_channels=4,
+        in_channels=8 if image_to_video else 4,
         out_channels=4,
         time_embed_dim=8,
+        ofs_embed_dim=8 if image_to_video and generation == "1.5" else None,
         text_embed_dim=32,
         num_layers=spec.layers,
         sample_width=latent_size,
@@ -111,7 +117,7 @@ def build_tiny_cogvideox(directory: str | Path, generation: str = "2b", seed: in
         temporal_compression_ratio=4,
         max_text_seq_length=spec.text_len,
         use_rotary_positional_embeddings=rope,
-        use_learned_positional_embeddings=False,
+        use_learned_positional_embeddings=image_to_video and generation == "5b",
         patch_bias=generation != "1.5",
     ).eval()
     # Random init leaves some projections at zero; give every weight a visible value so tests can't pass trivially.
@@ -133,6 +139,7 @@ def build_tiny_cogvideox(directory: str | Path, generation: str = "2b", seed: in
         sample_height=spec.sample_size,
         sample_width=spec.sample_size,
         scaling_factor=1.15258426 if generation == "2b" else 0.7,
+        invert_scale_latents=generation == "1.5",
     ).eval()
     vae.save_pretrained(directory / "vae")
 
@@ -146,7 +153,7 @@ def build_tiny_cogvideox(directory: str | Path, generation: str = "2b", seed: in
     scheduler_cls(**scheduler_kwargs).save_pretrained(directory / "scheduler")
 
     model_index = {
-        "_class_name": "CogVideoXPipeline",
+        "_class_name": "CogVideoXImageToVideoPipeline" if image_to_video else "CogVideoXPipeline",
         "_diffusers_version": "0.42.1",
         "scheduler": ["diffusers", scheduler_cls.__name__],
         "text_encoder": ["transformers", "T5EncoderModel"],
@@ -154,7 +161,7 @@ def build_tiny_cogvideox(directory: str | Path, generation: str = "2b", seed: in
         "transformer": ["diffusers", "CogVideoXTransformer3DModel"],
         "vae": ["diffusers", "AutoencoderKLCogVideoX"],
     }
-    return _finish(directory, model_index, f"CogVideoX-{generation}", seed)
+    return _finish(directory, model_index, f"CogVideoX-{generation}{'-I2V' if image_to_video else ''}", seed)
 
 
 def _finish(directory: Path, model_index: dict, label: str, seed: int) -> Path:
@@ -212,13 +219,21 @@ def _exact(t, fp8: bool):
     return t
 
 
+WAN_IMAGE_KINDS = ("", "i2v", "flf2v")
+
+
 def build_tiny_wan(directory: str | Path, generation: str = "2.1", seed: int = 0,
-                   spec: TinyWanSpec | None = None) -> Path:
+                   spec: TinyWanSpec | None = None, image: str = "") -> Path:
     """Write a tiny random-weight Wan ``generation`` folder in diffusers format and return its path.
 
     "2.1": one transformer, Wan 2.1 VAE (z 16); "2.2-A14B": two experts (boundary 0.875); "2.2-TI2V-5B": 48
     latent channels, the Wan 2.2 VAE (2x2 patches, x16) and ``expand_timesteps``. Weights are rounded so the
     ComfyUI-format exports (``export_comfy_files``) in fp16, bf16 and scaled fp8 hold exactly the same numbers.
+
+    ``image``: "i2v" makes the image-to-video model of the generation (2.1: with a CLIP vision encoder of the
+    real 257-token shape, as Wan2.1-I2V-14B; 2.2-A14B: as Wan2.2-I2V-A14B, boundary 0.9, no image encoder);
+    "flf2v" (2.1): Wan2.1-FLF2V-14B (CLIP features of a first and a last image, with their position embedding).
+    TI2V-5B takes an image as it is.
     """
     import torch
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
@@ -229,6 +244,9 @@ def build_tiny_wan(directory: str | Path, generation: str = "2.1", seed: int = 0
 
     if generation not in WAN_GENERATIONS:
         raise ValueError(f"generation must be one of {WAN_GENERATIONS}, got {generation!r}")
+    if image not in WAN_IMAGE_KINDS or (image and generation == "2.2-TI2V-5B") or \
+            (image == "flf2v" and generation != "2.1"):
+        raise ValueError(f"image={image!r}: i2v for 2.1 and 2.2-A14B, flf2v for 2.1 (TI2V-5B takes images as is)")
     spec = spec or TinyWanSpec()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -258,16 +276,30 @@ def build_tiny_wan(directory: str | Path, generation: str = "2.1", seed: int = 0
 
     channels = 48 if ti2v else 16
     experts = ["transformer", "transformer_2"] if generation == "2.2-A14B" else ["transformer"]
+    clip = generation == "2.1" and image in ("i2v", "flf2v")
+    clip_width = 64
     for name in experts:
         transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=spec.heads, attention_head_dim=128, in_channels=channels,
+            patch_size=(1, 2, 2), num_attention_heads=spec.heads, attention_head_dim=128,
+            in_channels=channels + (4 + channels if image else 0),  # image-to-video: + mask + image latents
             out_channels=channels, text_dim=spec.text_dim, freq_dim=32, ffn_dim=spec.ffn, num_layers=spec.layers,
             cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+            image_dim=clip_width if clip else None, added_kv_proj_dim=spec.heads * 128 if clip else None,
+            pos_embed_seq_len=2 * 257 if image == "flf2v" else None,
         ).eval()
         # A strong text path (cross-attention, text projection): prompts must visibly change the video, or a
         # test could not tell a wrong text encoding from a right one.
-        randomise(transformer, fp8=True, stronger=("attn2.", "text_embedder."), strong_std=0.25)
+        randomise(transformer, fp8=True, stronger=("attn2.", "text_embedder.", "image_embedder."), strong_std=0.25)
         transformer.save_pretrained(directory / name)
+    if clip:
+        from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+        encoder = CLIPVisionModel(CLIPVisionConfig(
+            hidden_size=clip_width, intermediate_size=96, num_hidden_layers=3, num_attention_heads=16,
+            image_size=224, patch_size=14, hidden_act="gelu", layer_norm_eps=1e-5, projection_dim=32)).eval()
+        randomise(encoder, std=0.2)
+        encoder.save_pretrained(directory / "image_encoder")
+        CLIPImageProcessor().save_pretrained(directory / "image_processor")
 
     if ti2v:
         vae = AutoencoderKLWan(base_dim=spec.vae_base_dim, decoder_base_dim=spec.vae_base_dim, z_dim=48,
@@ -281,7 +313,7 @@ def build_tiny_wan(directory: str | Path, generation: str = "2.1", seed: int = 0
     config = {k: v for k, v in DEFAULT_SCHEDULER.items() if not k.startswith("_")}
     UniPCMultistepScheduler(**config, flow_shift=DEFAULT_SHIFT[generation]).save_pretrained(directory / "scheduler")
     model_index = {
-        "_class_name": "WanPipeline",
+        "_class_name": "WanImageToVideoPipeline" if image else "WanPipeline",
         "_diffusers_version": "0.42.1",
         "scheduler": ["diffusers", "UniPCMultistepScheduler"],
         "text_encoder": ["transformers", "UMT5EncoderModel"],
@@ -289,10 +321,13 @@ def build_tiny_wan(directory: str | Path, generation: str = "2.1", seed: int = 0
         "transformer": ["diffusers", "WanTransformer3DModel"],
         "transformer_2": ["diffusers", "WanTransformer3DModel"] if len(experts) == 2 else [None, None],
         "vae": ["diffusers", "AutoencoderKLWan"],
-        "boundary_ratio": 0.875 if len(experts) == 2 else None,
+        "boundary_ratio": (0.9 if image else 0.875) if len(experts) == 2 else None,
         "expand_timesteps": ti2v,
     }
-    return _finish(directory, model_index, f"Wan-{generation}", seed)
+    if image:
+        model_index["image_encoder"] = ["transformers", "CLIPVisionModel"] if clip else [None, None]
+        model_index["image_processor"] = ["transformers", "CLIPImageProcessor"] if clip else [None, None]
+    return _finish(directory, model_index, f"Wan-{generation}{'-' + image.upper() if image else ''}", seed)
 
 
 # diffusers -> original Wan names, the inverse of what ComfyUI's files hold (written out independently of

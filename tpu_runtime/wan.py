@@ -36,6 +36,7 @@ import torch
 from .attention import AttentionConfig, attention_scope
 from .errors import InputError, ModelFolderError
 from .family import (
+    ImageConditioning,
     ModelFamily,
     StageProgram,
     forwards_replaced,
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 FAMILY = "wan"
 TEXT_LEN = 512  # diffusers' WanPipeline max_sequence_length
 SCHEDULERS = ("unipc", "euler", "euler_simple")
+PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")
 COMPONENTS = ("scheduler", "text_encoder", "tokenizer", "transformer", "vae")
 # Scheduler of the released models (diffusers' conversion script): flow-matching UniPC, shift per generation.
 DEFAULT_SCHEDULER = {
@@ -65,6 +67,7 @@ DEFAULT_SCHEDULER = {
 }
 DEFAULT_SHIFT = {"2.1": 3.0, "2.2-A14B": 12.0, "2.2-TI2V-5B": 5.0}
 DEFAULT_BOUNDARY = 0.875  # Wan 2.2 T2V-A14B
+DEFAULT_BOUNDARY_I2V = 0.9  # Wan 2.2 I2V-A14B
 DEFAULT_GUIDANCE = 5.0
 NATIVE = {"2.1-small": (480, 832, 81), "2.1": (720, 1280, 81), "2.2-A14B": (720, 1280, 81),
           "2.2-TI2V-5B": (704, 1280, 121)}
@@ -80,6 +83,7 @@ class WanFiles:
     text_encoder: Path
     vae: Path
     transformer_2: Path | None = None
+    clip_vision: Path | None = None  # Wan 2.1 I2V / FLF2V: models/clip_vision/clip_vision_h.safetensors
 
 
 # --- recognising what the user has ---------------------------------------------------------------------------
@@ -98,17 +102,17 @@ def inspect_wan_folder(path: Path, weights: bool = True) -> dict:
     cls = index.get("_class_name", "")
     if not cls.startswith("Wan"):
         raise ModelFolderError(f"{folder} holds a {cls or 'unknown'} model, not Wan: pick a Wan folder")
-    if cls != "WanPipeline":
-        raise ModelFolderError(f"{folder} holds a {cls} model; only text-to-video WanPipeline models are supported "
-                               "so far: use Wan2.1-T2V-1.3B/14B, Wan2.2-T2V-A14B or Wan2.2-TI2V-5B")
+    if cls not in PIPELINES:
+        raise ModelFolderError(f"{folder} holds a {cls} model; this pack runs WanPipeline (text-to-video, TI2V-5B) "
+                               "and WanImageToVideoPipeline (Wan2.1-I2V/FLF2V-14B, Wan2.2-I2V-A14B) models")
     missing = []
     wanted = [c for c in COMPONENTS if weights or c != "tokenizer"]
-    wanted += ["transformer_2"] if _present(index.get("transformer_2")) else []
+    wanted += [c for c in ("transformer_2", "image_encoder", "image_processor") if _present(index.get(c))]
     for name in wanted:
         sub = folder / name
         if not sub.is_dir():
             missing.append(f"{name}/ (folder missing)")
-        elif name in ("text_encoder", "transformer", "transformer_2", "vae"):
+        elif name in ("text_encoder", "transformer", "transformer_2", "vae", "image_encoder"):
             if not (sub / "config.json").is_file():
                 missing.append(f"{name}/config.json")
             if weights and not any(p.name.endswith(".safetensors") for p in sub.iterdir()):
@@ -117,6 +121,8 @@ def inspect_wan_folder(path: Path, weights: bool = True) -> dict:
             missing.append("scheduler/scheduler_config.json")
         elif name == "tokenizer" and not any((sub / f).is_file() for f in ("tokenizer.json", "spiece.model")):
             missing.append("tokenizer/tokenizer.json or spiece.model")
+        elif name == "image_processor" and not (sub / "preprocessor_config.json").is_file():
+            missing.append("image_processor/preprocessor_config.json")
     if missing:
         raise ModelFolderError(f"model folder {folder} is incomplete, missing: {', '.join(missing)}. Re-download "
                                "those files from the model's diffusers repository")
@@ -171,6 +177,8 @@ class WanFamily(ModelFamily):
             self.scheduler_config = json.loads((self.path / "scheduler" / "scheduler_config.json").read_text())
             self.boundary_ratio = self.index.get("boundary_ratio")
             self.expand_timesteps = bool(self.index.get("expand_timesteps", False))
+            has_encoder = _present(self.index.get("image_encoder"))
+            self.image_encoder_config = _read_config(self.path / "image_encoder") if has_encoder else None
         else:
             self._inspect_files(files)
         self.generation = generation_of(self.transformer_config, self.vae_config, self.two_experts)
@@ -184,9 +192,31 @@ class WanFamily(ModelFamily):
         self.signature = config_signature(configs)
         self.vae_scale_spatial = int(self.vae_config.get("scale_factor_spatial", 8))
         self.vae_scale_temporal = int(self.vae_config.get("scale_factor_temporal", 4))
+        self._image_inputs()
         self.size_multiple = self.vae_scale_spatial * int(self.transformer_config["patch_size"][1])
         self._setup(dtype, runtime, mesh, attention, fsdp, heads=self.transformer_config["num_attention_heads"],
                     vae_sharding=vae_sharding, target_devices=target_devices)
+
+    def _image_inputs(self) -> None:
+        """What images the model takes, read from its transformer: image-to-video models take the frame mask and
+        the image's latents on channels (in = out + mask + latent channels); TI2V-5B optionally holds its first
+        latent frame at the image; Wan 2.1 I2V/FLF2V also attend to CLIP vision features (``image_dim``), FLF2V
+        to a first and a last image's (``pos_embed_seq_len``)."""
+        c = self.transformer_config
+        concat = int(c["in_channels"]) == int(c["out_channels"]) + self.vae_scale_temporal + int(self.vae_config["z_dim"])
+        self.image_input = "required" if concat else "optional" if self.expand_timesteps else "none"
+        self.concat_condition = concat
+        self.uses_clip = c.get("image_dim") is not None
+        self.last_image_input = c.get("pos_embed_seq_len") is not None
+        if self.uses_clip and self.image_encoder_config is None:
+            if self.path is not None:
+                raise ModelFolderError(f"{self.path}'s transformer attends to CLIP image features but the folder has "
+                                       "no image_encoder: re-download the model's image_encoder/ and image_processor/")
+            raise InputError(f"{self.files.transformer.name} is a Wan 2.1 image-to-video model: give the CLIP vision "
+                             "file too (--clip-vision models/clip_vision/clip_vision_h.safetensors, or the loader's "
+                             "clip_vision input)")
+        if not self.uses_clip:
+            self.image_encoder_config = None  # a CLIP file given to a model without image features is not read
 
     def _inspect_files(self, files: WanFiles) -> None:
         from .wan_files import transformer_names, umt5_names, vae_names
@@ -202,6 +232,14 @@ class WanFamily(ModelFamily):
         if self.two_experts:
             self.transformer_2_config, self._names["transformer_2"] = transformer_names(files.transformer_2)
         self.text_config, self._names["text_encoder"] = umt5_names(files.text_encoder)
+        self.image_encoder_config = None
+        if files.clip_vision is not None:
+            if not Path(files.clip_vision).is_file():
+                raise ModelFolderError(f"CLIP vision file {files.clip_vision} does not exist: ComfyUI keeps it in "
+                                       "models/clip_vision (clip_vision_h.safetensors)")
+            from .wan_files import clip_vision_names
+
+            self.image_encoder_config, self._names["image_encoder"] = clip_vision_names(files.clip_vision)
         self.vae_config, self._names["vae"] = vae_names(files.vae)
         if self.text_config["d_model"] != self.transformer_config["text_dim"]:
             raise ModelFolderError(f"text encoder {files.text_encoder} gives {self.text_config['d_model']}-wide "
@@ -213,7 +251,9 @@ class WanFamily(ModelFamily):
                                    "wan_2.1_vae with every other Wan model")
         generation = generation_of(self.transformer_config, self.vae_config, self.two_experts)
         self.scheduler_config = dict(DEFAULT_SCHEDULER, flow_shift=DEFAULT_SHIFT[generation])
-        self.boundary_ratio = DEFAULT_BOUNDARY if self.two_experts else None
+        image_to_video = self.transformer_config["in_channels"] != self.transformer_config["out_channels"]
+        self.boundary_ratio = (DEFAULT_BOUNDARY_I2V if image_to_video else DEFAULT_BOUNDARY) if self.two_experts \
+            else None
         self.expand_timesteps = generation == "2.2-TI2V-5B"
 
     # --- loading ---------------------------------------------------------------------------------------------
@@ -236,7 +276,18 @@ class WanFamily(ModelFamily):
 
             return (lambda: UMT5EncoderModel(UMT5Config(**_init_kwargs(None, self.text_config))),  # noqa: E731
                     self.text_config, (), ())
+        if name == "image_encoder" and self.image_encoder_config is not None:
+            from transformers import CLIPVisionConfig, CLIPVisionModel
+
+            config = self.image_encoder_config
+            return (lambda: CLIPVisionModel(CLIPVisionConfig(**_init_kwargs(None, config))),  # noqa: E731
+                    config, (), (r"position_ids$",))
         raise KeyError(name)
+
+    def _component_dtype(self, name: str) -> torch.dtype:
+        """The CLIP vision encoder runs in float32 whatever the model's dtype (as the Wan I2V model cards load
+        it): it runs once per video, and its features steer every step."""
+        return torch.float32 if name == "image_encoder" else self.dtype
 
     def _finish(self, name: str, part: torch.nn.Module, config: dict) -> torch.nn.Module:
         if name in ("transformer", "transformer_2"):
@@ -246,13 +297,16 @@ class WanFamily(ModelFamily):
             part.rope = WanRotaryPosEmbed(config["attention_head_dim"], tuple(config["patch_size"]),
                                           config.get("rope_max_seq_len", 1024))
             part.set_attn_processor(WanFunctionalAttnProcessor())
+        if name == "image_encoder":
+            embeddings = getattr(part, "vision_model", part).embeddings  # position ids: a buffer no file stores
+            embeddings.position_ids = torch.arange(embeddings.num_positions).expand((1, -1))
         return part
 
     def _abstract_component(self, name: str) -> torch.nn.Module:
         from .weights import cast_meta_module
 
         build, config, keep, _ = self._builder(name)
-        return self._finish(name, cast_meta_module(build, self.dtype, keep), config)
+        return self._finish(name, cast_meta_module(build, self._component_dtype(name), keep), config)
 
     def _load_component(self, name: str):
         from .weights import TensorSource, load_into_meta_module, meta_tensors, safetensors_files
@@ -272,11 +326,14 @@ class WanFamily(ModelFamily):
             where = self.path / name
         else:
             path = {"transformer": self.files.transformer, "transformer_2": self.files.transformer_2,
-                    "text_encoder": self.files.text_encoder, "vae": self.files.vae}[name]
+                    "text_encoder": self.files.text_encoder, "vae": self.files.vae,
+                    "image_encoder": self.files.clip_vision}[name]
             source, names, where = TensorSource([path]), self._names[name], path
+        if name == "image_encoder":
+            names = _clip_module_names(names, build)
         ties = {"encoder.embed_tokens.weight": "shared.weight"} if name == "text_encoder" else None
-        part = load_into_meta_module(build, source, names, self.dtype, f"Wan {name} ({where})", keep_fp32=keep,
-                                     ties=ties, ignore=ignore)
+        part = load_into_meta_module(build, source, names, self._component_dtype(name), f"Wan {name} ({where})",
+                                     keep_fp32=keep, ties=ties, ignore=ignore)
         part = self._finish(name, part, config)
         left = meta_tensors(part)
         if left:
@@ -411,21 +468,125 @@ class WanFamily(ModelFamily):
         return StageProgram("encode", encode_fn, example, shape, f"umT5 text encoder for {TEXT_LEN} tokens",
                             self.traced, ("text_encoder",))
 
+    # --- stage 1b: the image (image-to-video) ---------------------------------------------------------------
+    def encode_image(self, image, last_image=None, *, height: int, width: int, num_frames: int) -> ImageConditioning:
+        """The first (and last) frame as sampling takes them, for a ``num_frames`` x ``height`` x ``width`` video:
+        the VAE encoding of the conditioning video (normalised, with its frame mask in front for the models that
+        concatenate it) and, for Wan 2.1 I2V / FLF2V, the CLIP vision features. One compiled program per size."""
+        from .images import as_pil, video_image
+
+        self.check_images(image is not None, last_image is not None)
+        self.validate(height, width, num_frames)
+        images = [as_pil(image, "image")] + ([as_pil(last_image, "last image")] if last_image is not None else [])
+        programs = self.image_programs(height, width, num_frames, len(images))
+        executables = [self.compile_stage(p) for p in programs]
+        pixels = [self.put(video_image(im, height, width)[:, :, None].to(self.dtype)) for im in images]
+        start = time.perf_counter()
+        condition = self.runtime.to_cpu(executables[0](programs[0].example[0], *pixels)).float()
+        embeds = None
+        if self.uses_clip:
+            clip_pixels = self._clip_processor()(images=images, return_tensors="pt").pixel_values
+            embeds = self.runtime.to_cpu(executables[1](programs[1].example[0], self.put(clip_pixels.float())))
+        self._record_run("image", start)
+        if self.concat_condition:
+            condition = torch.cat([self._frame_mask(height, width, num_frames, len(images) == 2), condition], dim=1)
+        return ImageConditioning(condition, height, width, num_frames, self.signature, image_embeds=embeds,
+                                 last_image=len(images) == 2)
+
+    def _clip_processor(self):
+        """diffusers' CLIP preprocessing (resize the short side to 224, centre crop, CLIP's mean and std): the
+        folder's ``image_processor``, or CLIPImageProcessor's defaults, which are clip_vision_h's."""
+        from transformers import CLIPImageProcessor
+
+        folder = self.path / "image_processor" if self.path is not None else None
+        if folder is not None and folder.is_dir():
+            return CLIPImageProcessor.from_pretrained(folder)
+        size = int(self.image_encoder_config.get("image_size", 224))
+        return CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+
+    def _frame_mask(self, height: int, width: int, num_frames: int, last: bool) -> torch.Tensor:
+        """diffusers' mask ``[1, 4, T, h, w]``: 1 on the pixel frames given (the first, and the last), the first
+        repeated over the VAE's 4-frame groups, folded into 4 channels per latent frame."""
+        t = self.vae_scale_temporal
+        h, w = height // self.vae_scale_spatial, width // self.vae_scale_spatial
+        mask = torch.zeros(1, 1, num_frames, h, w)
+        mask[:, :, 0] = 1
+        if last:
+            mask[:, :, -1] = 1
+        mask = torch.cat([mask[:, :, :1].repeat_interleave(t, dim=2), mask[:, :, 1:]], dim=2)
+        return mask.view(1, -1, t, h, w).transpose(1, 2)
+
+    def image_programs(self, height: int, width: int, num_frames: int, images: int = 1) -> list[StageProgram]:
+        """The VAE encode of the conditioning video (the first frame, zeros, and the last frame if given; TI2V-5B:
+        the first frame alone), normalised by the latent statistics; and CLIP vision over ``images`` pictures
+        (its second-to-last hidden states) where the model attends to them."""
+        import jax.numpy as jnp
+
+        vae = self._component("vae")
+        mean, std_inv = self._latent_statistics()
+        frames = 1 if self.expand_timesteps else num_frames
+
+        def mode(module, video):
+            return module.encode(video).latent_dist.mode()
+
+        encode_fn = self.runtime.module_function(vae, mode)
+
+        def condition_fn(state, first, *last):
+            video = first
+            if frames > 1:
+                gap = frames - 1 - len(last)
+                video = jnp.concatenate([first, jnp.zeros(first.shape[:2] + (gap,) + first.shape[3:], first.dtype),
+                                         *last], axis=2)
+            latents = encode_fn(state, video).astype(jnp.float32)
+            return (latents - jnp.asarray(mean.numpy())) * jnp.asarray(std_inv.numpy())
+
+        @contextlib.contextmanager
+        def scope():
+            with self.traced(), _wan_vae_for_xla(vae):
+                yield
+
+        pixel = self.arg((1, 3, 1, height, width), self.dtype)
+        example = (self._states["vae"], pixel, *([pixel] if images == 2 else []))
+        programs = [StageProgram("image", condition_fn, example, (height, width, frames, images),
+                                 f"Wan VAE encode of the image(s) for {num_frames}x{height}x{width}", scope, ("vae",))]
+        if self.uses_clip:
+            clip = self._component("image_encoder")
+            size = int(self.image_encoder_config.get("image_size", 224))
+
+            def features(module, pixels):
+                return module(pixel_values=pixels, output_hidden_states=True).hidden_states[-2]
+
+            clip_fn = self.runtime.module_function(clip, features)
+            example = (self._states["image_encoder"], self.arg((images, 3, size, size), torch.float32))
+            programs.append(StageProgram("image", clip_fn, example, (images, size), f"CLIP vision over {images} "
+                                         "image(s)", self.traced, ("image_encoder",), part="clip"))
+        return programs
+
     # --- stage 2: sampling -------------------------------------------------------------------------------------
     def latent_shape(self, height: int, width: int, num_frames: int) -> tuple[int, ...]:
         frames = (num_frames - 1) // self.vae_scale_temporal + 1
         s = self.vae_scale_spatial
-        return (1, int(self.transformer_config["in_channels"]), frames, height // s, width // s)
+        return (1, int(self.transformer_config["out_channels"]), frames, height // s, width // s)
+
+    def _image_mode(self, image: ImageConditioning | None) -> str:
+        """How sampling uses the image: "" (none), "concat" (on channels, with the mask), "first" (TI2V-5B's first
+        latent frame held at the image, timestep 0 on its tokens)."""
+        if image is None:
+            return ""
+        return "concat" if self.concat_condition else "first"
 
     def sample(self, embeddings: TextEmbeddings, settings: SampleSettings,
                on_step: Callable[[int, int], None] | None = None,
-               should_stop: Callable[[], bool] | None = None) -> VideoLatents:
-        """Denoise from seeded noise; ``on_step(i, total)`` after each step, ``should_stop()`` before each."""
+               should_stop: Callable[[], bool] | None = None,
+               image: ImageConditioning | None = None) -> VideoLatents:
+        """Denoise from seeded noise; ``on_step(i, total)`` after each step, ``should_stop()`` before each.
+        Image-to-video: ``image`` is the image encode stage's output for this size."""
         from diffusers.utils.torch_utils import randn_tensor
 
         s = settings
         self.validate(s.height, s.width, s.num_frames)
         self.validate_settings(s)
+        self.check_conditioning(image, s)
         self.check_steps(s.steps)
         self.check_embeddings(embeddings, (1, TEXT_LEN, int(self.transformer_config["text_dim"])))
         guidance = DEFAULT_GUIDANCE if s.guidance is None else float(s.guidance)
@@ -440,7 +601,9 @@ class WanFamily(ModelFamily):
             ratio = self.boundary_ratio if s.boundary is None else float(s.boundary)
             boundary = ratio * scheduler.config.num_train_timesteps
 
-        program = self.sample_program(s.height, s.width, s.num_frames, cfg, plan)
+        mode = self._image_mode(image)
+        images = 0 if image is None or image.image_embeds is None else int(image.image_embeds.shape[0])
+        program = self.sample_program(s.height, s.width, s.num_frames, cfg, plan, mode, images)
         for name in program.components:  # both experts on the devices before the first step
             self._component(name)
         executable = self.compile_stage(program)
@@ -455,6 +618,11 @@ class WanFamily(ModelFamily):
         x_dev = self.put(latents)
         kept_dev = tuple(self.put(torch.zeros(shape, dtype=torch.float32)) for _ in range(plan.kept))
         carry = {"x": x_dev, "kept": kept_dev}
+        condition_dev = None if image is None else self.put(image.latents.float())
+        image_embeds_dev = None
+        if images:
+            embeds_image = image.image_embeds.to(self.dtype)
+            image_embeds_dev = self.put(torch.cat([embeds_image, embeds_image]) if cfg else embeds_image, ("dp",))
 
         def step(i):
             t = float(plan.timesteps[i])
@@ -463,19 +631,24 @@ class WanFamily(ModelFamily):
             g = guidance_2 if second else guidance
             carry["x"], carry["kept"] = executable(
                 state, carry["x"], carry["kept"], embeds_dev, self.put(torch.tensor([t], dtype=torch.float32)),
-                self.put(torch.from_numpy(plan.matrices[i])), self.put(torch.tensor([g], dtype=torch.float32)))
+                self.put(torch.from_numpy(plan.matrices[i])), self.put(torch.tensor([g], dtype=torch.float32)),
+                condition_dev, image_embeds_dev)
             return carry["x"]
 
         self.run_steps(plan.steps, step, on_step, should_stop)
         start = time.perf_counter()
         result = self.runtime.to_cpu(carry["x"]).float().contiguous()
+        if mode == "first":  # diffusers puts the image's latent frame back in front before decoding
+            result[:, :, :1] = image.latents[:, :, :1].float()
         self._record_run("sample", start)
         return VideoLatents(result, s.height, s.width, s.num_frames, self.signature)
 
-    def sample_program(self, height: int, width: int, num_frames: int, cfg: bool, plan) -> StageProgram:
+    def sample_program(self, height: int, width: int, num_frames: int, cfg: bool, plan, image: str = "",
+                       images: int = 0) -> StageProgram:
         """One denoising step for the scheduler ``plan`` (a ``LinearStepPlan``): CFG batch, transformer, guidance
         and the update as a small coefficient matrix. Wan 2.2's experts share it: same architecture and shapes,
-        only the weights passed differ."""
+        only the weights passed differ. ``image`` (see ``_image_mode``): how the image's condition enters;
+        ``images``: how many pictures' CLIP features the transformer attends to (0: none)."""
         import jax
         import jax.numpy as jnp
 
@@ -486,13 +659,28 @@ class WanFamily(ModelFamily):
         batch_sharding = self.runtime.sharding(self.mesh, ("dp",))
         replicated = self.runtime.sharding(self.mesh)
         kept, round_result = plan.kept, plan.round_to_model_dtype
+        patch = tuple(int(p) for p in self.transformer_config["patch_size"])
 
-        def step_fn(state, x, kept_arrays, embeds, timestep, matrix, g):
-            xin = x.astype(model_dtype)
+        frame_tokens = (shape[3] // patch[1]) * (shape[4] // patch[2])
+        tokens = (shape[2] // patch[0]) * frame_tokens
+
+        def step_fn(state, x, kept_arrays, embeds, timestep, matrix, g, condition, image_embeds):
+            if image == "concat":  # diffusers: cat([latents, mask + condition], dim=1) in the model's dtype
+                xin = jnp.concatenate([x, condition], axis=1).astype(model_dtype)
+            elif image == "first":  # the first latent frame is the image's
+                xin = jnp.concatenate([condition[:, :, :1], x[:, :, 1:]], axis=2).astype(model_dtype)
+            else:
+                xin = x.astype(model_dtype)
             batch = jnp.concatenate([xin, xin]) if cfg else xin
             batch = jax.lax.with_sharding_constraint(batch, batch_sharding)  # CFG's two halves on dp
-            t = jnp.broadcast_to(timestep, (batch.shape[0],))
-            out = transformer_fn(state, batch, t, embeds, return_dict=False)[0]
+            if image == "first":  # per-token timesteps, 0 on the image frame's tokens
+                t = jnp.concatenate([jnp.zeros((frame_tokens,), jnp.float32),
+                                     jnp.broadcast_to(timestep, (tokens - frame_tokens,))])
+                t = jnp.broadcast_to(t[None], (batch.shape[0], tokens))
+            else:
+                t = jnp.broadcast_to(timestep, (batch.shape[0],))
+            out = transformer_fn(state, batch, t, embeds, encoder_hidden_states_image=image_embeds,
+                                 return_dict=False)[0]
             if cfg:
                 uncond, cond = jnp.split(out.astype(jnp.float32), 2)
                 out = (uncond + g[0] * (cond - uncond)).astype(model_dtype)
@@ -506,10 +694,20 @@ class WanFamily(ModelFamily):
 
         embeds_shape = (2 if cfg else 1, TEXT_LEN, int(self.transformer_config["text_dim"]))
         arg, f32 = self.arg, torch.float32
+        condition = None
+        if image == "concat":
+            condition = arg((1, self.vae_scale_temporal + shape[1]) + shape[2:], f32)
+        elif image == "first":
+            condition = arg((1, shape[1], 1) + shape[3:], f32)
+        image_embeds = None
+        if images:
+            c = self.image_encoder_config
+            patches = (int(c.get("image_size", 224)) // int(c["patch_size"])) ** 2 + 1
+            image_embeds = arg(((2 if cfg else 1) * images, patches, int(c["hidden_size"])), self.dtype, ("dp",))
         example = (self._states["transformer"], arg(shape, f32), tuple(arg(shape, f32) for _ in range(kept)),
                    arg(embeds_shape, self.dtype, ("dp",)), arg((1,), f32), arg(plan.matrices[0].shape, f32),
-                   arg((1,), f32))
-        key = (shape, embeds_shape, cfg, kept, round_result, self.attention)
+                   arg((1,), f32), condition, image_embeds)
+        key = (shape, embeds_shape, cfg, kept, round_result, image, images, self.attention)
         return StageProgram("sample", step_fn, example, key,
                             f"Wan sampler step for {num_frames}x{height}x{width} ({'CFG batch 2' if cfg else 'no CFG'}"
                             f", mesh {self.mesh_spec}, {self.attention.impl} attention)", self.traced,
@@ -523,7 +721,13 @@ class WanFamily(ModelFamily):
         cfg = (DEFAULT_GUIDANCE if s.guidance is None else float(s.guidance)) > 1.0
         self.check_cfg_mesh(cfg)
         plan = linear_plan(self.scheduler(s.scheduler, s.shift), s.steps)
-        return [self.encode_program(), self.sample_program(s.height, s.width, s.num_frames, cfg, plan),
+        images, mode, pictures = [], "", 0
+        if self.image_input == "required":  # image-to-video: its image encode and the conditioned step
+            pictures = 2 if self.last_image_input else 1
+            images = self.image_programs(s.height, s.width, s.num_frames, pictures)
+            mode, pictures = ("concat" if self.concat_condition else "first"), pictures if self.uses_clip else 0
+        return [self.encode_program(), *images,
+                self.sample_program(s.height, s.width, s.num_frames, cfg, plan, mode, pictures),
                 *self.decode_programs(self.latent_shape(s.height, s.width, s.num_frames))]
 
     # --- stage 3: decode ---------------------------------------------------------------------------------------
@@ -687,6 +891,15 @@ def _wan_vae_for_xla(vae: torch.nn.Module):
         return torch.nn.Upsample.forward.__get__(module) if isinstance(module, WanUpsample) else None
 
     return forwards_replaced(vae, replacement)
+
+
+def _clip_module_names(names: dict[str, str], build) -> dict[str, str]:
+    """File key -> module name for a CLIP vision model whose files say ``vision_model.…`` (older transformers,
+    ComfyUI) while the installed transformers may name its parameters without that prefix, or the reverse."""
+    with torch.device("meta"):
+        prefixed = any(n.startswith("vision_model.") for n in build().state_dict())
+    bare = {k: v.removeprefix("vision_model.") for k, v in names.items()}
+    return {k: "vision_model." + v for k, v in bare.items()} if prefixed else bare
 
 
 def _read_config(folder: Path) -> dict:

@@ -13,6 +13,8 @@ ComfyUI's Wan templates place three (or, for Wan 2.2 A14B, four) files:
 - ``models/vae/``: the Wan 2.1 VAE (z_dim 16) or the Wan 2.2 VAE (z_dim 48, 2×2 patches, residual up/down
   blocks), in the original names. Their latent statistics are not in the file; they are fixed per VAE and
   shipped here (``WAN21_LATENTS``, ``WAN22_LATENTS``).
+- ``models/clip_vision/``: Wan 2.1 I2V / FLF2V's image encoder, ``clip_vision_h`` (OpenCLIP ViT-H/14) in
+  transformers' ``CLIPVisionModel`` names; its size read from the shapes too.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def _shape(header: dict, key: str, path: Path, what: str) -> tuple[int, ...]:
     return header[key][0]
 
 
-_FOLDER = {"Wan transformer": "diffusion_models", "umT5 text encoder": "text_encoders", "Wan VAE": "vae"}
+_FOLDER = {"Wan transformer": "diffusion_models", "umT5 text encoder": "text_encoders", "Wan VAE": "vae",
+           "CLIP vision model": "clip_vision"}
 
 
 # --- transformer ---------------------------------------------------------------------------------------------
@@ -340,3 +343,43 @@ def _temporal_down(header, residual: bool, stages: int) -> list[bool]:
     resamples = sorted({int(k.split(".")[2]) for k in header
                         if re.match(r"encoder\.downsamples\.\d+\.resample", k)})
     return [n in with_time for n in resamples][: stages - 1] if resamples else out
+
+
+# --- CLIP vision (Wan 2.1 I2V / FLF2V) -------------------------------------------------------------------------
+CLIP_VISION_HEADS = 16  # OpenCLIP ViT-H/14 (clip_vision_h), as ViT-L and ViT-bigG: 16 heads
+
+
+def clip_vision_names(path: Path) -> tuple[dict, dict[str, str]]:
+    """(transformers ``CLIPVisionConfig`` kwargs, file key -> ``CLIPVisionModel`` name) of ComfyUI's CLIP vision
+    file (``clip_vision_h.safetensors``: transformers' names, ``vision_model.…``, possibly under a prefix). The
+    size is read from the shapes: width and patch from the patch embedding, image size from the positions,
+    layers and MLP width from the encoder; heads are CLIP's 16."""
+    path = Path(path)
+    header = read_header(path)
+    what = "CLIP vision model"
+    anchor = "vision_model.embeddings.patch_embedding.weight"
+    found = [k for k in header if k.endswith(anchor)]
+    if not found:
+        hint = " (it is in OpenCLIP's own names: use ComfyUI's repackaged clip_vision_h.safetensors)" \
+            if any(k.startswith("visual.") for k in header) else ""
+        raise ModelFolderError(f"{path} is not a CLIP vision model: it has no tensor {anchor}{hint}. Pick "
+                               "clip_vision_h.safetensors from ComfyUI's models/clip_vision/")
+    prefix = found[0][: -len(anchor)]
+    names = {k: k[len(prefix):] for k in header if k.startswith(prefix + "vision_model.")}
+    h = {names[k]: header[k] for k in names}
+    width, _, patch, _ = h[anchor][0]
+    positions = _shape(h, "vision_model.embeddings.position_embedding.weight", path, what)[0]
+    side = math.isqrt(positions - 1)
+    if side * side != positions - 1:
+        raise ModelFolderError(f"{path}: {positions} positions are not a square grid plus the class token: not a "
+                               "CLIP vision model this pack knows")
+    layers = 1 + max(int(k.split(".")[3]) for k in h if k.startswith("vision_model.encoder.layers."))
+    config = {
+        "hidden_size": width, "intermediate_size": _shape(h, "vision_model.encoder.layers.0.mlp.fc1.weight",
+                                                          path, what)[0],
+        "num_hidden_layers": layers, "num_attention_heads": CLIP_VISION_HEADS, "patch_size": patch,
+        "image_size": patch * side, "hidden_act": "gelu", "layer_norm_eps": 1e-5,
+    }
+    if width % CLIP_VISION_HEADS:
+        raise ModelFolderError(f"{path}: width {width} does not split into CLIP's {CLIP_VISION_HEADS} heads")
+    return config, {k: v for k, v in names.items() if not v.endswith("position_ids")}
