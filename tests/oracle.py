@@ -1,4 +1,5 @@
-"""diffusers' own CogVideoXPipeline, float32 on CPU: the numerical oracle for our frames."""
+"""diffusers' own pipelines (CogVideoX, Wan, their image-to-video ones), float32 on CPU: the numerical oracle for our
+frames."""
 
 import functools
 
@@ -89,3 +90,48 @@ def lora_frames(pipeline_cls, folder, loras=(), loras_2=(), scheduler=None, **ca
     seed = call.pop("seed")
     out = pipe(generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **call)
     return out.frames[0], pipe
+
+
+@functools.lru_cache(maxsize=4)
+def _i2v_pipeline(cls_name: str, folder: str):
+    import diffusers
+
+    return getattr(diffusers, cls_name).from_pretrained(folder, dtype=torch.float32)
+
+
+def cogvideox_i2v_frames(folder, image, prompt, negative, height, width, frames, steps, guidance, seed,
+                         scheduler=None) -> np.ndarray:
+    """Frames ``[F, H, W, 3]`` exactly as diffusers' CogVideoXImageToVideoPipeline makes them from ``image``."""
+    import diffusers
+    from PIL import Image
+
+    pipe = _i2v_pipeline("CogVideoXImageToVideoPipeline", str(folder))
+    original = pipe.scheduler
+    if scheduler is not None:
+        cls = {"ddim": diffusers.CogVideoXDDIMScheduler, "dpm": diffusers.CogVideoXDPMScheduler}[scheduler]
+        pipe.scheduler = cls.from_config(original.config)
+    try:
+        out = pipe(image=Image.open(image), prompt=prompt, negative_prompt=negative, height=height, width=width,
+                   num_frames=frames, num_inference_steps=steps, guidance_scale=guidance,
+                   generator=torch.Generator("cpu").manual_seed(seed), output_type="np",
+                   max_sequence_length=pipe.transformer.config.max_text_seq_length)
+    finally:
+        pipe.scheduler = original
+    return out.frames[0]
+
+
+def wan_i2v_frames(folder, image, last_image, prompt, negative, height, width, frames, steps, guidance,
+                   seed) -> np.ndarray:
+    """Frames ``[F, H, W, 3]`` exactly as diffusers' WanImageToVideoPipeline makes them (first image, optional
+    last image; TI2V-5B's folder through the same pipeline, as its model card does)."""
+    from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
+    from PIL import Image
+
+    # diffusers 0.42's I2V module calls ftfy whether or not it is installed (its T2V module checks first); clean
+    # prompts as the T2V module does, which is what the runtime does.
+    pipeline_wan_i2v.prompt_clean = pipeline_wan.prompt_clean
+    pipe = _i2v_pipeline("WanImageToVideoPipeline", str(folder))
+    out = pipe(image=Image.open(image), last_image=Image.open(last_image) if last_image else None, prompt=prompt,
+               negative_prompt=negative, height=height, width=width, num_frames=frames, num_inference_steps=steps,
+               guidance_scale=guidance, generator=torch.Generator("cpu").manual_seed(seed), output_type="np")
+    return out.frames[0]

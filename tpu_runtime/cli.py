@@ -34,6 +34,11 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool = False) -> None:
         files.add_argument("--transformer-2", help="Wan 2.2 A14B: the low-noise expert file")
         files.add_argument("--text-encoder", help="umT5 file (models/text_encoders/umt5_xxl_*.safetensors)")
         files.add_argument("--vae", help="VAE file (models/vae/wan_2.1_vae or wan2.2_vae)")
+        files.add_argument("--clip-vision", help="Wan 2.1 I2V / FLF2V: the CLIP vision file "
+                           "(models/clip_vision/clip_vision_h.safetensors)")
+        p.add_argument("--image", help="image-to-video: the first frame (PNG/JPEG/WebP), resized to the video's "
+                       "size; needed by I2V models, optional for Wan TI2V-5B")
+        p.add_argument("--last-image", help="Wan FLF2V: the last frame")
         p.add_argument("--lora", dest="loras", action="append", default=[], metavar="FILE[:STRENGTH]",
                        help="a LoRA merged into the transformer (Wan 2.2 A14B: the high-noise expert), strength 1 "
                        "unless given; repeat for several")

@@ -58,6 +58,9 @@ class GenerateRequest:
     vae: str | None = None
     loras: list[str] = field(default_factory=list)  # FILE[:STRENGTH], merged into the transformer
     loras_2: list[str] = field(default_factory=list)  # FILE[:STRENGTH], Wan 2.2 A14B's low-noise expert
+    image: str | None = None  # image-to-video: the first frame
+    last_image: str | None = None  # Wan FLF2V: the last frame
+    clip_vision: str | None = None  # single-file Wan 2.1 I2V / FLF2V: models/clip_vision/clip_vision_h
 
     def lora_specs(self) -> tuple[tuple, tuple]:
         from .lora import parse_lora
@@ -72,7 +75,8 @@ class GenerateRequest:
 
     def single_files(self) -> dict[str, str]:
         return {k: v for k, v in (("transformer", self.transformer), ("transformer_2", self.transformer_2),
-                                  ("text_encoder", self.text_encoder), ("vae", self.vae)) if v}
+                                  ("text_encoder", self.text_encoder), ("vae", self.vae),
+                                  ("clip_vision", self.clip_vision)) if v}
 
 
 def open_model(req: GenerateRequest, runtime=None):
@@ -87,6 +91,9 @@ def open_model(req: GenerateRequest, runtime=None):
     if req.model and files:
         raise InputError(f"give --model or the single files ({', '.join('--' + k.replace('_', '-') for k in files)}),"
                          " not both")
+    if req.model and req.clip_vision:
+        raise InputError("--clip-vision is for Wan's single files; a diffusers folder has its own image_encoder/: "
+                         "drop --clip-vision")
     if files:
         missing = [k for k in ("transformer", "text_encoder", "vae") if k not in files]
         if missing:
@@ -157,6 +164,16 @@ def generate(req: GenerateRequest, family=None) -> dict:
         family.apply_loras(family.lora_targets(settings), merge=False)  # every LoRA file read and checked too
     elif loras or loras_2:
         raise InputError(f"--lora applies to sampling: use it with --stage all or --stage sample, not {req.stage}")
+    images = None
+    if req.stage in ("all", "encode"):
+        family.check_images(bool(req.image), bool(req.last_image))
+        from .images import load_image
+
+        images = (load_image(req.image, "--image") if req.image else None,
+                  load_image(req.last_image, "--last-image") if req.last_image else None)
+    elif req.image or req.last_image:
+        raise InputError(f"--image is read by the encode stage: use it with --stage all or --stage encode, not "
+                         f"{req.stage} (sample takes the encoded image from {sf.IMAGE_FILE})")
 
     config = {
         **family.describe(), "dtype": family.dtype_name, "backend": runtime.backend,
@@ -169,10 +186,20 @@ def generate(req: GenerateRequest, family=None) -> dict:
         embeddings = family.encode(req.prompt, req.negative_prompt)
         sf.save_embeddings(out, embeddings)
         config.update(prompt=req.prompt, negative_prompt=req.negative_prompt)
+        image = None
+        if images[0] is not None:
+            image = family.encode_image(*images, height=height, width=width, num_frames=frames)
+            sf.save_image(out, image)
+        else:
+            sf.drop_image(out)
+        if req.image:
+            config.update(image=str(req.image), **({"last_image": str(req.last_image)} if req.last_image else {}))
     if req.stage in ("all", "sample"):
         if req.stage == "sample":
             embeddings = sf.load_embeddings(out)
-        latents = family.sample(embeddings, settings, on_step=_log_step)
+            image = sf.load_image(out) if family.image_input != "none" and (
+                family.image_input == "required" or sf.has_image(out)) else None
+        latents = family.sample(embeddings, settings, on_step=_log_step, image=image)
         sf.save_latents(out, latents)
         config.update(steps=req.steps, guidance=guidance, seed=req.seed, scheduler=req.scheduler or "model default",
                       **{k: v for k, v in (("dynamic_cfg", req.dynamic_cfg), ("shift", req.shift),
@@ -211,7 +238,7 @@ def print_summary(config: dict, stage: str, file=sys.stdout) -> None:
     print(f"\nTiming summary ({config['backend']}, {config['devices']} device(s), {config['dtype']}):", file=file)
     print(f"  {'stage':<8} {'compile s':>10} {'run s':>10} {'XLA compiles':>13} {'cache hits':>11}", file=file)
     print(f"  {'load':<8} {'':>10} {t['load_s']:>10.2f}", file=file)
-    for name in ("encode", "sample", "decode"):
+    for name in ("encode", "image", "sample", "decode"):
         if name in t["run_s"]:
             print(f"  {name:<8} {t['compile_s'].get(name, 0):>10.2f} {t['run_s'][name]:>10.2f} "
                   f"{t['xla_compiles'].get(name, 0):>13} {t['persistent_cache_hits'].get(name, 0):>11}", file=file)

@@ -1,6 +1,7 @@
 """The files between stages, so any stage can be retried alone.
 
 ``stage1_embeddings.safetensors``  prompt_embeds, negative_prompt_embeds ``[1, L, D]``
+``stage1_image.safetensors``       image-to-video: the image encode stage's output (``ImageConditioning``)
 ``stage2_latents.safetensors``     latents ``[B, C, T, H/8, W/8]`` float32 (before VAE scaling)
 ``frames.safetensors``             frames ``[F, H, W, 3]`` float32 in 0..1
 ``generation_config.json``         the settings, the model and the per-stage timings
@@ -17,10 +18,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .family import TextEmbeddings, VideoLatents
+from .family import ImageConditioning, TextEmbeddings, VideoLatents
 from .errors import StageFileError
 
 EMBEDDINGS_FILE = "stage1_embeddings.safetensors"
+IMAGE_FILE = "stage1_image.safetensors"
 LATENTS_FILE = "stage2_latents.safetensors"
 FRAMES_FILE = "frames.safetensors"
 CONFIG_FILE = "generation_config.json"
@@ -58,6 +60,42 @@ def load_embeddings(directory: Path) -> TextEmbeddings:
             f.get_tensor("prompt_embeds"), f.get_tensor("negative_prompt_embeds"),
             meta.get("prompt", ""), meta.get("negative_prompt", ""), meta["model_signature"],
         )
+
+
+def save_image(directory: Path, cond: ImageConditioning) -> Path:
+    path = Path(directory) / IMAGE_FILE
+    tensors = {"latents": cond.latents.contiguous()}
+    for name in ("latents_std", "image_embeds"):
+        if getattr(cond, name) is not None:
+            tensors[name] = getattr(cond, name).contiguous()
+    save_file(tensors, str(path), metadata={
+        "model_signature": cond.model_signature, "height": str(cond.height), "width": str(cond.width),
+        "num_frames": str(cond.num_frames), "last_image": str(int(cond.last_image))})
+    return path
+
+
+def drop_image(directory: Path) -> None:
+    """Remove an image file left by an earlier image-to-video run in the same folder."""
+    (Path(directory) / IMAGE_FILE).unlink(missing_ok=True)
+
+
+def load_image(directory: Path) -> ImageConditioning:
+    path = Path(directory) / IMAGE_FILE
+    with _open(path, "image-encoding", "--stage encode with --image") as f:
+        meta = f.metadata() or {}
+        keys = set(f.keys())
+        if "latents" not in keys or not {"model_signature", "height", "width", "num_frames"} <= set(meta):
+            raise StageFileError(f"{path} is not an image-encoding file of this tool: re-run --stage encode")
+        return ImageConditioning(
+            f.get_tensor("latents"), int(meta["height"]), int(meta["width"]), int(meta["num_frames"]),
+            meta["model_signature"],
+            latents_std=f.get_tensor("latents_std") if "latents_std" in keys else None,
+            image_embeds=f.get_tensor("image_embeds") if "image_embeds" in keys else None,
+            last_image=meta.get("last_image") == "1")
+
+
+def has_image(directory: Path) -> bool:
+    return (Path(directory) / IMAGE_FILE).is_file()
 
 
 def save_latents(directory: Path, lat: VideoLatents) -> Path:

@@ -289,7 +289,9 @@ def build_tiny_wan(directory: str | Path, generation: str = "2.1", seed: int = 0
         ).eval()
         # A strong text path (cross-attention, text projection): prompts must visibly change the video, or a
         # test could not tell a wrong text encoding from a right one.
-        randomise(transformer, fp8=True, stronger=("attn2.", "text_embedder.", "image_embedder."), strong_std=0.25)
+        # Image-to-video: a strong input projection too, so the image's channels visibly steer the video.
+        randomise(transformer, fp8=True, stronger=("attn2.", "text_embedder.", "image_embedder.")
+                  + (("patch_embedding.",) if image else ()), strong_std=0.25)
         transformer.save_pretrained(directory / name)
     if clip:
         from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
@@ -307,7 +309,8 @@ def build_tiny_wan(directory: str | Path, generation: str = "2.1", seed: int = 0
                                scale_factor_spatial=16, **WAN22_LATENTS)
     else:
         vae = AutoencoderKLWan(base_dim=spec.vae_base_dim, z_dim=16, **WAN21_LATENTS)
-    randomise(vae.eval(), std=0.1)
+    # The encoder (image-to-video only) stronger, so different pictures give visibly different latents.
+    randomise(vae.eval(), std=0.1, stronger=("encoder.",), strong_std=0.3)
     vae.save_pretrained(directory / "vae")
 
     config = {k: v for k, v in DEFAULT_SCHEDULER.items() if not k.startswith("_")}
@@ -403,7 +406,8 @@ def export_comfy_files(folder: str | Path, out: str | Path, fmt: str = "fp16",
     """Write a tiny Wan diffusers folder as the single files ComfyUI's templates use: the transformer(s) in the
     original key names (``fmt``: fp32, fp16, bf16 or fp8_scaled), umT5 with its SentencePiece model inside (fp16,
     or scaled fp8 with an fp8_scaled transformer, as umt5_xxl_fp8_e4m3fn_scaled), the VAE in the original names
-    (bf16). Returns {"transformer", ["transformer_2"], "text_encoder", "vae"} -> path."""
+    (bf16), the CLIP vision encoder of I2V/FLF2V models as ComfyUI's clip_vision_h (fp16). Returns
+    {"transformer", ["transformer_2"], "text_encoder", "vae", ["clip_vision"]} -> path."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -437,6 +441,12 @@ def export_comfy_files(folder: str | Path, out: str | Path, fmt: str = "fp16",
            v.to(torch.bfloat16) for k, v in vae.items()}
     paths["vae"] = out / "wan_vae_bf16.safetensors"
     save_file(vae, str(paths["vae"]))
+    if (folder / "image_encoder").is_dir():  # as ComfyUI's clip_vision_h: transformers' names, fp16
+        clip = load_file(str(folder / "image_encoder" / "model.safetensors"))
+        clip = {"vision_model." + k.removeprefix("vision_model."): v.to(torch.float16) for k, v in clip.items()
+                if not k.endswith("position_ids")}
+        paths["clip_vision"] = out / "clip_vision_fp16.safetensors"
+        save_file(clip, str(paths["clip_vision"]))
     return paths
 
 

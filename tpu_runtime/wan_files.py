@@ -105,7 +105,10 @@ def transformer_names(path: Path) -> tuple[dict, dict[str, str]]:
     }
     # diffusers' converter renames by substring; run it on the names alone (values are the original keys).
     renamed = convert_wan_transformer_to_diffusers({short[k]: k for k in keys})
-    return config, {original: new for new, original in renamed.items()}
+    # FLF2V's image position embedding is one name diffusers' converter does not know.
+    names = {original: new.replace("img_emb.emb_pos", "condition_embedder.image_embedder.pos_embed")
+             for new, original in renamed.items()}
+    return config, names
 
 
 _WAN_TO_ORIGINAL = (
@@ -115,6 +118,11 @@ _WAN_TO_ORIGINAL = (
     ("condition_embedder.text_embedder.linear_2.", "text_embedding.2."),
     ("condition_embedder.time_proj.", "time_projection.1."),
     ("proj_out.", "head.head."),
+    ("condition_embedder.image_embedder.norm1.", "img_emb.proj.0."),  # Wan 2.1 I2V / FLF2V
+    ("condition_embedder.image_embedder.ff.net.0.proj.", "img_emb.proj.1."),
+    ("condition_embedder.image_embedder.ff.net.2.", "img_emb.proj.3."),
+    ("condition_embedder.image_embedder.norm2.", "img_emb.proj.4."),
+    ("condition_embedder.image_embedder.pos_embed", "img_emb.emb_pos"),
 )
 
 
@@ -138,7 +146,8 @@ def wan_transformer_to_original(name: str) -> str:
         if rest.startswith(old):
             rest = new + rest[len(old):]
             break
-    for old, new in ((".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."), (".to_out.0.", ".o.")):
+    for old, new in ((".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."), (".to_out.0.", ".o."),
+                     (".add_k_proj.", ".k_img."), (".add_v_proj.", ".v_img."), (".norm_added_k.", ".norm_k_img.")):
         rest = rest.replace(old, new)
     return f"blocks.{n}.{rest}"
 
