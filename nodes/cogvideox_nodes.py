@@ -1,4 +1,5 @@
-"""ComfyUI nodes for CogVideoX on TPU/JAX: load, encode text, sample, decode.
+"""ComfyUI nodes for CogVideoX on TPU/JAX: load, encode text (and the first frame, for the I2V models), sample,
+decode.
 
 Thin adapters: each node checks its inputs and calls ``tpu_runtime``; no model math lives here. The node kinds
 are shared with Wan (``common.py``); this module sets CogVideoX's types, defaults and options.
@@ -9,9 +10,11 @@ from __future__ import annotations
 from .common import (
     DEVICE_INPUTS,
     DTYPE_INPUT,
+    ImageEncodeNode,
     LoraNode,
     TextEncodeNode,
     decode_latent,
+    image_cond_input,
     install_comfy_unload_hook,  # noqa: F401 - kept importable from here for existing callers
     load_model,
     run_sampler,
@@ -22,6 +25,7 @@ from .common import (
 CATEGORY = "TPU video/CogVideoX"
 MODEL_TYPE = "TPU_COGVIDEOX_MODEL"
 EMBEDS_TYPE = "TPU_COGVIDEOX_EMBEDS"
+IMAGE_TYPE = "TPU_COGVIDEOX_IMAGE"
 NO_MODELS = "(no CogVideoX folder found: see model_path)"
 
 
@@ -88,19 +92,31 @@ class TPUCogVideoXSampler:
     def INPUT_TYPES(cls):
         inputs = sampler_inputs(MODEL_TYPE, EMBEDS_TYPE, 720, 480, 49, "8N+1 for 2b/5b (49 native), 16N+1 for 1.5 "
                                 "(81 native)", 6.0, ["ddim", "dpm"])
-        return {"required": {**inputs, "dynamic_cfg": ("BOOLEAN", {"default": False})}}
+        return {"required": {**inputs, "dynamic_cfg": ("BOOLEAN", {"default": False})},
+                "optional": image_cond_input(IMAGE_TYPE)}
 
     RETURN_TYPES = ("LATENT",)
     RETURN_NAMES = ("samples",)
     FUNCTION = "sample"
     CATEGORY = CATEGORY
 
-    def sample(self, model, embeds, width, height, frames, steps, guidance, seed, scheduler, dynamic_cfg):
+    def sample(self, model, embeds, width, height, frames, steps, guidance, seed, scheduler, dynamic_cfg,
+               image_cond=None):
         from tpu_runtime.family import SampleSettings
 
         settings = SampleSettings(height, width, frames, steps, guidance, seed,
                                   None if scheduler == "model default" else scheduler, dynamic_cfg)
-        return run_sampler(model, embeds, settings)
+        return run_sampler(model, embeds, settings, image_cond)
+
+
+class TPUCogVideoXImageEncode(ImageEncodeNode):
+    """CogVideoX-5b-I2V / 1.5-I2V: the first frame VAE-encoded on the devices; the sampler draws from it."""
+
+    MODEL_TYPE, IMAGE_TYPE = MODEL_TYPE, IMAGE_TYPE
+    RETURN_TYPES = (IMAGE_TYPE,)
+    CATEGORY = CATEGORY
+    SIZE = (720, 480, 49)
+    FRAMES_TIP = "the sampler's frames: 8N+1 for 5b-I2V (49), 16N+1 for 1.5-I2V (81)"
 
 
 class TPUCogVideoXDecode:
@@ -123,6 +139,7 @@ class TPUCogVideoXDecode:
 NODE_CLASS_MAPPINGS = {
     "TPUCogVideoXLoader": TPUCogVideoXLoader,
     "TPUCogVideoXTextEncode": TPUCogVideoXTextEncode,
+    "TPUCogVideoXImageEncode": TPUCogVideoXImageEncode,
     "TPUCogVideoXLoRA": TPUCogVideoXLoRA,
     "TPUCogVideoXSampler": TPUCogVideoXSampler,
     "TPUCogVideoXDecode": TPUCogVideoXDecode,
@@ -131,6 +148,7 @@ NODE_CLASS_MAPPINGS = {
 NODE_DISPLAY_NAME_MAPPINGS = {
     "TPUCogVideoXLoader": "CogVideoX Loader (TPU)",
     "TPUCogVideoXTextEncode": "CogVideoX Text Encode (TPU)",
+    "TPUCogVideoXImageEncode": "CogVideoX Image Encode (TPU)",
     "TPUCogVideoXLoRA": "CogVideoX LoRA (TPU)",
     "TPUCogVideoXSampler": "CogVideoX Sampler (TPU)",
     "TPUCogVideoXDecode": "CogVideoX Decode (TPU)",

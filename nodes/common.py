@@ -1,7 +1,8 @@
 """What every family's nodes share: the loaded-model cache, ComfyUI's unload hook, and the node kinds.
 
-Each family has the same four kinds of node (Loader → Text Encode → Sampler → Decode) with the same inputs where
-the families agree; a family module only sets its types, its category and its family-specific inputs. Values
+Each family has the same kinds of node (Loader → Text Encode [+ Image Encode] → Sampler → Decode, LoRA between
+loader and sampler) with the same inputs where the families agree; a family module only sets its types, its
+category and its family-specific inputs. Values
 between nodes are CPU torch tensors in small dicts (ComfyUI can hold and cache them); device buffers stay in the
 runtime.
 """
@@ -94,6 +95,47 @@ class TextEncodeNode:
         return (model.encode(prompt, negative_prompt),)
 
 
+class ImageEncodeNode:
+    """The image encode stage: the first frame (and, for Wan FLF2V, the last) as the sampler takes them, for one
+    video size. Connect ComfyUI's Load Image (or any IMAGE); set the size the sampler will use."""
+
+    MODEL_TYPE = IMAGE_TYPE = ""  # a family's subclass sets both, and RETURN_TYPES = (IMAGE_TYPE,)
+    RETURN_NAMES = ("image_cond",)
+    FUNCTION = "encode"
+    SIZE = (832, 480, 81)  # width, height, frames defaults: the family's native size
+    FRAMES_TIP = ""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        width, height, frames = cls.SIZE
+        return {
+            "required": {
+                "model": (cls.MODEL_TYPE,),
+                "image": ("IMAGE", {"tooltip": "the first frame; resized (stretched, not cropped) to width x height"}),
+                "width": ("INT", {"default": width, "min": 16, "max": 4096, "step": 16,
+                                  "tooltip": "the video's width: set the sampler to the same"}),
+                "height": ("INT", {"default": height, "min": 16, "max": 4096, "step": 16}),
+                "frames": ("INT", {"default": frames, "min": 1, "max": 1024, "step": 1, "tooltip": cls.FRAMES_TIP}),
+            },
+            "optional": {"last_image": ("IMAGE", {"tooltip": "Wan2.1-FLF2V only: the last frame"})},
+        }
+
+    def encode(self, model, image, width, height, frames, last_image=None):
+        from tpu_runtime.images import as_pil
+
+        from .comfy_bridge import progress_bar
+
+        family = base_model(model)
+        family.check_images(image is not None, last_image is not None, ("the image input", "last_image"))
+        first = as_pil(image, "image")
+        last = as_pil(last_image, "last_image") if last_image is not None else None
+        bar = progress_bar(1)
+        cond = family.encode_image(first, last, height=height, width=width, num_frames=frames)
+        if bar is not None:
+            bar.update_absolute(1, 1)
+        return (cond,)
+
+
 class LoraModel:
     """What a LoRA node passes on: the loaded model plus the LoRAs to merge when it samples (ComfyUI's
     ``LoraLoaderModelOnly`` way: the model is patched when used, so chains of LoRA nodes stack and removing a node
@@ -155,6 +197,12 @@ class LoraNode:
                           getattr(model, "loras_2", ()) + ((spec,) if low else ())),)
 
 
+def image_cond_input(image_type: str) -> dict:
+    """The sampler's optional input from the image encode node."""
+    return {"image_cond": (image_type, {"tooltip": "image-to-video: the Image Encode node's output (encoded at "
+                                        "this sampler's width, height and frames)"})}
+
+
 def sampler_inputs(model_type: str, embeds_type: str, width: int, height: int, frames: int, frames_tip: str,
                    guidance: float, schedulers: list[str]) -> dict:
     """The inputs every sampler has, with the family's native defaults."""
@@ -172,9 +220,10 @@ def sampler_inputs(model_type: str, embeds_type: str, width: int, height: int, f
     }
 
 
-def run_sampler(model, embeds, settings):
+def run_sampler(model, embeds, settings, image_cond=None):
     """Sample with ComfyUI's progress bar (one tick per step) and Cancel (checked before every step), with the
-    LoRAs of the LoRA nodes before it (none: any merged earlier are removed)."""
+    LoRAs of the LoRA nodes before it (none: any merged earlier are removed) and the image encode node's output
+    for image-to-video."""
     import dataclasses
 
     from .comfy_bridge import interrupt_requested, progress_bar, raise_if_interrupted
@@ -189,7 +238,7 @@ def run_sampler(model, embeds, settings):
             bar.update_absolute(i, total)
 
     try:
-        latents = model.sample(embeds, settings, on_step=on_step, should_stop=interrupt_requested)
+        latents = model.sample(embeds, settings, on_step=on_step, should_stop=interrupt_requested, image=image_cond)
     except Exception:
         raise_if_interrupted()  # a cancelled prompt is reported as cancelled, not as an error
         raise

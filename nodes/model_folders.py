@@ -17,8 +17,9 @@ from pathlib import Path
 
 MODEL_DIRS_ENV = "TPU_VIDEO_MODEL_DIRS"
 FOLDER_NAMES = {"cogvideox": ("diffusers", "CogVideo"), "wan": ("diffusers",)}
-PIPELINES = {"cogvideox": ("CogVideoXPipeline",), "wan": ("WanPipeline",)}
-FILE_KINDS = ("diffusion_models", "text_encoders", "vae")
+PIPELINES = {"cogvideox": ("CogVideoXPipeline", "CogVideoXImageToVideoPipeline"),
+             "wan": ("WanPipeline", "WanImageToVideoPipeline")}
+FILE_KINDS = ("diffusion_models", "text_encoders", "vae", "clip_vision")
 
 
 def _env_roots() -> list[Path]:
@@ -50,7 +51,7 @@ def _pipeline(folder: Path) -> str:
 
 
 def find_models(family: str = "cogvideox") -> dict[str, Path]:
-    """Display name -> folder of every ``family`` text-to-video folder directly inside a search root."""
+    """Display name -> folder of every ``family`` folder (text- or image-to-video) directly inside a search root."""
     found: dict[str, Path] = {}
     for root in search_roots(family):
         if not root.is_dir():

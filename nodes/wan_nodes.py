@@ -1,4 +1,4 @@
-"""ComfyUI nodes for Wan (2.1, 2.2 A14B, TI2V-5B) on TPU/JAX: the same four node kinds as CogVideoX.
+"""ComfyUI nodes for Wan (2.1, 2.2 A14B, TI2V-5B; I2V, FLF2V) on TPU/JAX: the same node kinds as CogVideoX.
 
 Two loaders make the same model type: one for diffusers folders, one for ComfyUI's own single files (the files
 ComfyUI's Wan templates use: diffusion model, umT5 text encoder, VAE; for Wan 2.2 A14B a second, low-noise
@@ -13,9 +13,11 @@ from .common import (
     DEVICE_INPUTS,
     DTYPE_INPUT,
     EXPERTS,
+    ImageEncodeNode,
     LoraNode,
     TextEncodeNode,
     decode_latent,
+    image_cond_input,
     load_model,
     run_sampler,
     sampler_inputs,
@@ -24,6 +26,7 @@ from .common import (
 CATEGORY = "TPU video/Wan"
 MODEL_TYPE = "TPU_WAN_MODEL"
 EMBEDS_TYPE = "TPU_WAN_EMBEDS"
+IMAGE_TYPE = "TPU_WAN_IMAGE"
 NO_MODELS = "(no Wan folder found: see model_path)"
 NO_FILES = "(none found)"
 NONE = "none"
@@ -52,8 +55,9 @@ class TPUWanLoader:
     RETURN_NAMES = ("model",)
     FUNCTION = "load"
     CATEGORY = CATEGORY
-    DESCRIPTION = ("Loads a Wan text-to-video model from a diffusers folder (Wan2.1-T2V-1.3B/14B, Wan2.2-T2V-A14B, "
-                   "Wan2.2-TI2V-5B) for the TPU/JAX runtime.")
+    DESCRIPTION = ("Loads a Wan model from a diffusers folder (Wan2.1-T2V-1.3B/14B, Wan2.2-T2V-A14B, Wan2.2-TI2V-5B; "
+                   "image-to-video: Wan2.1-I2V-14B-480P/720P, Wan2.1-FLF2V-14B, Wan2.2-I2V-A14B) for the TPU/JAX "
+                   "runtime.")
 
     def load(self, model: str, dtype: str, model_path: str = "", mesh: str = "auto", attention: str = "auto",
              cache_dir: str = ""):
@@ -91,6 +95,8 @@ class TPUWanModelFilesLoader:
                 "diffusion_model_2": (names("diffusion_models", optional=True), {
                     "default": NONE, "tooltip": "Wan 2.2 A14B only: the low-noise file"}),
                 **DEVICE_INPUTS,
+                "clip_vision": (names("clip_vision", optional=True), {
+                    "default": NONE, "tooltip": "Wan 2.1 I2V / FLF2V only: models/clip_vision/clip_vision_h"}),
             },
         }
 
@@ -102,7 +108,7 @@ class TPUWanModelFilesLoader:
                    "the architecture is read from the weights.")
 
     def load(self, diffusion_model: str, text_encoder: str, vae: str, dtype: str, diffusion_model_2: str = NONE,
-             mesh: str = "auto", attention: str = "auto", cache_dir: str = ""):
+             mesh: str = "auto", attention: str = "auto", cache_dir: str = "", clip_vision: str = NONE):
         from tpu_runtime.wan import WanFamily, WanFiles
 
         from .model_folders import file_path
@@ -113,6 +119,7 @@ class TPUWanModelFilesLoader:
             vae=file_path("vae", vae),
             transformer_2=None if diffusion_model_2 in (NONE, "") else file_path("diffusion_models",
                                                                                  diffusion_model_2),
+            clip_vision=None if clip_vision in (NONE, "") else file_path("clip_vision", clip_vision),
         )
         key = ("wan-files", tuple(str(p) for p in vars(files).values()), dtype, mesh.strip() or "auto", attention)
         return (load_model(key, lambda rt: WanFamily(files=files, **_device_kwargs(rt, dtype, mesh, attention)),
@@ -160,7 +167,8 @@ class TPUWanSampler:
                                          "guidance"}),
                 "boundary": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 0.999, "step": 0.005,
                                        "tooltip": "Wan 2.2 A14B: switch to the low-noise expert below this fraction "
-                                       "of the 1000 timesteps; 0: the model's (0.875)"}),
+                                       "of the 1000 timesteps; 0: the model's (0.875 T2V, 0.9 I2V)"}),
+                **image_cond_input(IMAGE_TYPE),
             },
         }
 
@@ -170,7 +178,7 @@ class TPUWanSampler:
     CATEGORY = CATEGORY
 
     def sample(self, model, embeds, width, height, frames, steps, guidance, seed, scheduler, shift,
-               guidance_2=-1.0, boundary=0.0):
+               guidance_2=-1.0, boundary=0.0, image_cond=None):
         from tpu_runtime.family import SampleSettings
 
         settings = SampleSettings(height, width, frames, steps, guidance, seed,
@@ -178,7 +186,18 @@ class TPUWanSampler:
                                   shift=shift if shift > 0 else None,
                                   guidance_2=guidance_2 if guidance_2 >= 0 else None,
                                   boundary=boundary if boundary > 0 else None)
-        return run_sampler(model, embeds, settings)
+        return run_sampler(model, embeds, settings, image_cond)
+
+
+class TPUWanImageEncode(ImageEncodeNode):
+    """Wan I2V / FLF2V / 2.2 I2V-A14B / TI2V-5B: the first (and FLF2V's last) frame VAE-encoded on the devices,
+    with CLIP vision features for Wan 2.1 I2V and FLF2V."""
+
+    MODEL_TYPE, IMAGE_TYPE = MODEL_TYPE, IMAGE_TYPE
+    RETURN_TYPES = (IMAGE_TYPE,)
+    CATEGORY = CATEGORY
+    SIZE = (832, 480, 81)
+    FRAMES_TIP = "the sampler's frames: 4N+1 (81; TI2V-5B 121)"
 
 
 class TPUWanDecode:
@@ -201,6 +220,7 @@ NODE_CLASS_MAPPINGS = {
     "TPUWanLoader": TPUWanLoader,
     "TPUWanModelFilesLoader": TPUWanModelFilesLoader,
     "TPUWanTextEncode": TPUWanTextEncode,
+    "TPUWanImageEncode": TPUWanImageEncode,
     "TPUWanLoRA": TPUWanLoRA,
     "TPUWanSampler": TPUWanSampler,
     "TPUWanDecode": TPUWanDecode,
@@ -210,6 +230,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "TPUWanLoader": "Wan Loader (TPU)",
     "TPUWanModelFilesLoader": "Wan Loader from ComfyUI files (TPU)",
     "TPUWanTextEncode": "Wan Text Encode (TPU)",
+    "TPUWanImageEncode": "Wan Image Encode (TPU)",
     "TPUWanLoRA": "Wan LoRA (TPU)",
     "TPUWanSampler": "Wan Sampler (TPU)",
     "TPUWanDecode": "Wan Decode (TPU)",

@@ -95,3 +95,38 @@ def subprocess_env(**extra):
     env["JAX_PLATFORMS"] = "cpu"
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+# Image-to-video: sizes of the tiny models (CogVideoX-5b-I2V has learned positions for its 64x64 only).
+I2V_SIZES = {"cog-5b": (64, 64, 9), "cog-1.5": (64, 64, 17), "wan-i2v": (64, 64, 9)}
+
+
+@pytest.fixture(scope="session")
+def images(tmp_path_factory):
+    """Three pictures, none of them the video's aspect ratio (diffusers stretches them to the video's size)."""
+    import numpy as np
+    from PIL import Image
+
+    base = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(5)
+    paths = {}
+    for name, (h, w) in (("first", (40, 50)), ("last", (30, 70)), ("other", (50, 40))):
+        pixels = (rng.random((h, w, 3)) * 255).astype(np.uint8)
+        paths[name] = base / f"{name}.png"
+        Image.fromarray(pixels).save(paths[name])
+    return paths
+
+
+@pytest.fixture(scope="session")
+def i2v_models(tmp_path_factory):
+    """Tiny random-weight image-to-video models of every kind (TI2V-5B is tiny_wan's)."""
+    from tpu_runtime.tiny import build_tiny_cogvideox, build_tiny_wan
+
+    base = tmp_path_factory.mktemp("i2v_models")
+    return {
+        "cog-5b": build_tiny_cogvideox(base / "cog_5b_i2v", "5b", seed=3, image_to_video=True),
+        "cog-1.5": build_tiny_cogvideox(base / "cog_15_i2v", "1.5", seed=3, image_to_video=True),
+        "wan-i2v": build_tiny_wan(base / "wan21_i2v", "2.1", seed=3, image="i2v"),
+        "wan-flf2v": build_tiny_wan(base / "wan21_flf2v", "2.1", seed=3, image="flf2v"),
+        "wan-a14b": build_tiny_wan(base / "wan22_i2v_a14b", "2.2-A14B", seed=3, image="i2v"),
+    }

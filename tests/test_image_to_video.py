@@ -7,47 +7,20 @@ input is refused before anything compiles."""
 import numpy as np
 import pytest
 import torch
-from conftest import NEGATIVE, PROMPT
+from conftest import I2V_SIZES, NEGATIVE, PROMPT
 from oracle import cogvideox_i2v_frames, wan_i2v_frames
 
 from tpu_runtime import stage_files
 from tpu_runtime.errors import InputError
 from tpu_runtime.generate import GenerateRequest, generate
 from tpu_runtime.runtime import compile_stats
-from tpu_runtime.tiny import build_tiny_cogvideox, build_tiny_wan, export_comfy_files
+from tpu_runtime.tiny import export_comfy_files
 
 TOL = 1e-4
 
 
-@pytest.fixture(scope="session")
-def images(tmp_path_factory):
-    """Three pictures, none of them the video's aspect ratio (diffusers stretches them to the video's size)."""
-    from PIL import Image
-
-    base = tmp_path_factory.mktemp("images")
-    rng = np.random.default_rng(5)
-    paths = {}
-    for name, (h, w) in (("first", (40, 50)), ("last", (30, 70)), ("other", (50, 40))):
-        pixels = (rng.random((h, w, 3)) * 255).astype(np.uint8)
-        paths[name] = base / f"{name}.png"
-        Image.fromarray(pixels).save(paths[name])
-    return paths
-
-
-@pytest.fixture(scope="session")
-def i2v_models(tmp_path_factory):
-    base = tmp_path_factory.mktemp("i2v_models")
-    return {
-        "cog-5b": build_tiny_cogvideox(base / "cog_5b_i2v", "5b", seed=3, image_to_video=True),
-        "cog-1.5": build_tiny_cogvideox(base / "cog_15_i2v", "1.5", seed=3, image_to_video=True),
-        "wan-i2v": build_tiny_wan(base / "wan21_i2v", "2.1", seed=3, image="i2v"),
-        "wan-flf2v": build_tiny_wan(base / "wan21_flf2v", "2.1", seed=3, image="flf2v"),
-        "wan-a14b": build_tiny_wan(base / "wan22_i2v_a14b", "2.2-A14B", seed=3, image="i2v"),
-    }
-
-
-SIZES = {"cog-5b": (64, 64, 9), "cog-1.5": (64, 64, 17)}  # 5b-I2V: learned positions for its 64x64 only
-WAN = (64, 64, 9)
+SIZES = I2V_SIZES
+WAN = I2V_SIZES["wan-i2v"]
 
 
 def _ours(out, model=None, files=None, **kw):

@@ -14,12 +14,14 @@ from tpu_runtime.errors import Interrupted
 EXPECTED = {
     "TPUCogVideoXLoader": ("TPU_COGVIDEOX_MODEL",),
     "TPUCogVideoXTextEncode": ("TPU_COGVIDEOX_EMBEDS",),
+    "TPUCogVideoXImageEncode": ("TPU_COGVIDEOX_IMAGE",),
     "TPUCogVideoXLoRA": ("TPU_COGVIDEOX_MODEL",),
     "TPUCogVideoXSampler": ("LATENT",),
     "TPUCogVideoXDecode": ("IMAGE",),
     "TPUWanLoader": ("TPU_WAN_MODEL",),
     "TPUWanModelFilesLoader": ("TPU_WAN_MODEL",),
     "TPUWanTextEncode": ("TPU_WAN_EMBEDS",),
+    "TPUWanImageEncode": ("TPU_WAN_IMAGE",),
     "TPUWanLoRA": ("TPU_WAN_MODEL",),
     "TPUWanSampler": ("LATENT",),
     "TPUWanDecode": ("IMAGE",),
@@ -353,3 +355,49 @@ def test_wan_lora_nodes_chain_per_expert_and_leave_no_trace(pack, tiny_wan, fake
     (single,) = pack.NODE_CLASS_MAPPINGS["TPUWanLoader"]().load("", "float32", model_path=str(tiny_wan["2.1"]))
     with pytest.raises(InputError, match="one transformer"):
         node().apply(single, "high.safetensors", 1.0, expert="low noise")
+
+
+# --- image-to-video ------------------------------------------------------------------------------------------------
+def _comfy_image(path):
+    """A picture as ComfyUI's Load Image gives it: [1, H, W, 3] float32 in 0..1."""
+    from PIL import Image
+
+    return torch.from_numpy(np.asarray(Image.open(path).convert("RGB")).copy()).float()[None] / 255
+
+
+def test_flf2v_nodes_from_comfy_images_match_diffusers(pack, i2v_models, images):
+    """Wan FLF2V through the nodes: two ComfyUI IMAGEs (first, last) into Wan Image Encode, its output into the
+    sampler; the frames equal diffusers' WanImageToVideoPipeline on the same picture files, run in inference mode
+    as ComfyUI runs nodes."""
+    from oracle import wan_i2v_frames
+
+    m = pack.NODE_CLASS_MAPPINGS
+    with torch.inference_mode():
+        (model,) = m["TPUWanLoader"]().load("", "float32", model_path=str(i2v_models["wan-flf2v"]))
+        (cond,) = m["TPUWanImageEncode"]().encode(model, _comfy_image(images["first"]), 64, 64, 9,
+                                                  last_image=_comfy_image(images["last"]))
+        _, image = _wan_chain(pack, model, image_cond=cond)
+    ref = wan_i2v_frames(i2v_models["wan-flf2v"], images["first"], images["last"], PROMPT, NEGATIVE, 64, 64, 9, 3,
+                         5.0, 4)
+    assert np.abs(image.numpy() - ref).max() < 1e-4
+
+
+def test_image_nodes_refuse_what_does_not_fit(pack, tiny_models, i2v_models, images):
+    from tpu_runtime.errors import InputError
+
+    m = pack.NODE_CLASS_MAPPINGS
+    picture = _comfy_image(images["first"])
+    (t2v,) = m["TPUCogVideoXLoader"]().load("", "float32", model_path=str(tiny_models["5b"]))
+    with pytest.raises(InputError, match="text-to-video model and takes no image"):
+        m["TPUCogVideoXImageEncode"]().encode(t2v, picture, 64, 64, 9)
+    (i2v,) = m["TPUCogVideoXLoader"]().load("", "float32", model_path=str(i2v_models["cog-5b"]))
+    with pytest.raises(InputError, match="takes only a first image: drop last_image"):
+        m["TPUCogVideoXImageEncode"]().encode(i2v, picture, 64, 64, 9, last_image=picture)
+    (embeds,) = m["TPUCogVideoXTextEncode"]().encode(i2v, PROMPT, NEGATIVE)
+    sample = dict(steps=2, guidance=6.0, seed=1, scheduler="model default", dynamic_cfg=False)
+    with pytest.raises(InputError, match="image-to-video model: encode the first frame"):
+        m["TPUCogVideoXSampler"]().sample(i2v, embeds, width=64, height=64, frames=9, **sample)
+    (cond,) = m["TPUCogVideoXImageEncode"]().encode(i2v, picture, 64, 64, 9)
+    with pytest.raises(InputError, match="the image was encoded for 9 frames of 64x64"):
+        m["TPUCogVideoXSampler"]().sample(i2v, embeds, width=64, height=64, frames=17, image_cond=cond, **sample)
+

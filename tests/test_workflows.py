@@ -6,7 +6,8 @@ import uuid
 
 import pytest
 import torch
-from conftest import ROOT, SIZES
+import numpy as np
+from conftest import I2V_SIZES, ROOT, SIZES
 
 from tpu_runtime.tiny import build_tiny_lora, export_comfy_files
 from tpu_runtime.video import read_mp4, write_mp4
@@ -15,10 +16,20 @@ WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
 GENERATION = {"cogvideox_2b_t2v_tpu.json": "2b", "cogvideox_5b_t2v_tpu.json": "5b",
               "cogvideox1.5_5b_t2v_tpu.json": "1.5", "wan2.1_t2v_1.3B_tpu.json": "wan-2.1-1.3B",
               "wan2.1_t2v_14B_tpu.json": "wan-2.1-14B", "wan2.2_t2v_a14b_tpu.json": "wan-2.2-A14B",
-              "wan2.2_t2v_a14b_lightx2v_4steps_tpu.json": "wan-2.2-A14B", "wan2.2_ti2v_5b_tpu.json": "wan-2.2-TI2V-5B"}
+              "wan2.2_t2v_a14b_lightx2v_4steps_tpu.json": "wan-2.2-A14B", "wan2.2_ti2v_5b_tpu.json": "wan-2.2-TI2V-5B",
+              "cogvideox_5b_i2v_tpu.json": "5b-I2V", "cogvideox1.5_5b_i2v_tpu.json": "1.5-I2V",
+              "wan2.1_i2v_480p_14B_tpu.json": "wan-2.1-I2V-480P", "wan2.1_i2v_720p_14B_tpu.json": "wan-2.1-I2V-720P",
+              "wan2.1_flf2v_720p_14B_tpu.json": "wan-2.1-FLF2V", "wan2.2_i2v_a14b_tpu.json": "wan-2.2-I2V-A14B",
+              "wan2.2_ti2v_5b_i2v_tpu.json": "wan-2.2-TI2V-5B"}
 NATIVE = {"2b": (720, 480, 49), "5b": (720, 480, 49), "1.5": (1360, 768, 81), "wan-2.1-1.3B": (832, 480, 81),
-          "wan-2.1-14B": (1280, 720, 81), "wan-2.2-A14B": (1280, 720, 81), "wan-2.2-TI2V-5B": (1280, 704, 121)}
+          "wan-2.1-14B": (1280, 720, 81), "wan-2.2-A14B": (1280, 720, 81), "wan-2.2-TI2V-5B": (1280, 704, 121),
+          "5b-I2V": (720, 480, 49), "1.5-I2V": (1360, 768, 81), "wan-2.1-I2V-480P": (832, 480, 81),
+          "wan-2.1-I2V-720P": (1280, 720, 81), "wan-2.1-FLF2V": (1280, 720, 81), "wan-2.2-I2V-A14B": (1280, 720, 81)}
 TINY_WAN = {"wan-2.1-1.3B": "2.1", "wan-2.1-14B": "2.1", "wan-2.2-A14B": "2.2-A14B", "wan-2.2-TI2V-5B": "2.2-TI2V-5B"}
+# Image-to-video generations: the tiny model of the same kind (conftest's i2v_models) and its size.
+TINY_I2V = {"5b-I2V": "cog-5b", "1.5-I2V": "cog-1.5", "wan-2.1-I2V-480P": "wan-i2v", "wan-2.1-I2V-720P": "wan-i2v",
+            "wan-2.1-FLF2V": "wan-flf2v", "wan-2.2-I2V-A14B": "wan-a14b"}
+IMAGE_ENCODERS = ("TPUCogVideoXImageEncode", "TPUWanImageEncode")
 SAMPLERS = ("TPUCogVideoXSampler", "TPUWanSampler")
 DECODERS = ("TPUCogVideoXDecode", "TPUWanDecode")
 
@@ -30,13 +41,15 @@ CORE_NODES = {
                                "format": (["auto", "mp4"],), "codec": (["auto", "h264"],)},
                   "optional": {}, "outputs": ()},
     "Note": {"required": {"text": ("STRING", {})}, "optional": {}, "outputs": ()},
+    "LoadImage": {"required": {"image": (["example.png"], {"image_upload": True})}, "optional": {},
+                  "outputs": ("IMAGE", "MASK")},
 }
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
 # Lists of the user's downloads: any name is valid.
 DYNAMIC_COMBOS = {("TPUCogVideoXLoader", "model"), ("TPUWanLoader", "model"), ("TPUWanLoRA", "lora_name"),
-                  ("TPUCogVideoXLoRA", "lora_name"),
+                  ("TPUCogVideoXLoRA", "lora_name"), ("LoadImage", "image"),
                   *(("TPUWanModelFilesLoader", n)
-                    for n in ("diffusion_model", "diffusion_model_2", "text_encoder", "vae"))}
+                    for n in ("diffusion_model", "diffusion_model_2", "text_encoder", "vae", "clip_vision"))}
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +72,15 @@ def _widget_inputs(definition):
 
 
 def widget_values(node, definition) -> dict:
-    """Map a UI node's widgets_values to input names, in ComfyUI's order (seed's control value skipped)."""
+    """Map a UI node's widgets_values to input names, in ComfyUI's order (seed's control value and the image
+    upload button's value skipped)."""
     values, out = list(node["widgets_values"]), {}
     for name, spec in _widget_inputs(definition):
         out[name] = values.pop(0)
         if len(spec) > 1 and spec[1].get("control_after_generate"):
             assert values.pop(0) in ("fixed", "increment", "decrement", "randomize")
+        if len(spec) > 1 and spec[1].get("image_upload"):
+            assert values.pop(0) == "image"
     assert not values, f"{node['type']}: {len(values)} widget values left over"
     return out
 
@@ -107,17 +123,28 @@ def test_workflow_fits_node_definitions(path, node_defs):
     sampler = next(n for n in wf["nodes"] if n["type"] in SAMPLERS)
     values = widget_values(sampler, node_defs[sampler["type"]])
     assert (values["width"], values["height"], values["frames"]) == NATIVE[gen]
+    encoders = [n for n in wf["nodes"] if n["type"] in IMAGE_ENCODERS]
+    assert len(encoders) == (gen in TINY_I2V or path.name == "wan2.2_ti2v_5b_i2v_tpu.json")
+    for encoder in encoders:  # encoded at the sampler's size, from ComfyUI's Load Image
+        size = widget_values(encoder, node_defs[encoder["type"]])
+        assert (size["width"], size["height"], size["frames"]) == NATIVE[gen]
+        image_link = encoder["inputs"][1]["link"]
+        assert next(nodes[src]["type"] for lid, src, *_ in wf["links"] if lid == image_link) == "LoadImage"
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
-def test_workflow_runs_headlessly_on_a_tiny_model(path, node_defs, tiny_models, tiny_wan, tmp_path):
-    """Execute the graph: our nodes for real (sizes shrunk, the tiny model swapped in), ComfyUI's CreateVideo +
-    SaveVideo stood in for by our mp4 writer with the workflow's fps."""
+def test_workflow_runs_headlessly_on_a_tiny_model(path, node_defs, tiny_models, tiny_wan, i2v_models, images,
+                                                  tmp_path):
+    """Execute the graph: our nodes for real (sizes shrunk, the tiny model swapped in), ComfyUI's Load Image,
+    CreateVideo + SaveVideo stood in for (a test picture as ComfyUI's IMAGE; our mp4 writer with the fps)."""
     from nodes import NODE_CLASS_MAPPINGS
+    from PIL import Image
 
     wf = json.loads(path.read_text())
     gen = GENERATION[path.name]
-    height, width, frames = SIZES[gen] if gen in SIZES else (64, 64, 9)
+    tiny_i2v = TINY_I2V.get(gen)
+    height, width, frames = SIZES.get(gen) or I2V_SIZES.get(tiny_i2v, (64, 64, 9))
+    load_images = sorted(n["id"] for n in wf["nodes"] if n["type"] == "LoadImage")
     incoming = {(dst, dst_slot): (src, src_slot) for _, src, src_slot, dst, dst_slot, _ in wf["links"]}
     results: dict[int, tuple] = {}
     for node in sorted(wf["nodes"], key=lambda n: n["order"]):
@@ -130,13 +157,23 @@ def test_workflow_runs_headlessly_on_a_tiny_model(path, node_defs, tiny_models, 
                 src, src_slot = incoming[(node["id"], slot)]
                 kwargs[inp["name"]] = results[src][src_slot]
         if kind == "TPUCogVideoXLoader":
-            kwargs.update(model_path=str(tiny_models[gen]), dtype="float32")
+            kwargs.update(model_path=str(i2v_models[tiny_i2v] if tiny_i2v else tiny_models[gen]), dtype="float32")
         if kind == "TPUWanModelFilesLoader":  # the same kind of files, made from a tiny model, under these names
-            files = export_comfy_files(tiny_wan[TINY_WAN[gen]], tmp_path / "files", "fp16")
+            tiny = i2v_models[tiny_i2v] if tiny_i2v else tiny_wan[TINY_WAN[gen]]
+            files = export_comfy_files(tiny, tmp_path / "files", "fp16")
             assert (kwargs["diffusion_model_2"] != "none") == ("transformer_2" in files)
+            assert (kwargs["clip_vision"] != "none") == ("clip_vision" in files)
             kwargs.update(diffusion_model=str(files["transformer"]), text_encoder=str(files["text_encoder"]),
                           vae=str(files["vae"]), dtype="float32",
-                          diffusion_model_2=str(files.get("transformer_2", "none")))
+                          diffusion_model_2=str(files.get("transformer_2", "none")),
+                          clip_vision=str(files.get("clip_vision", "none")))
+        if kind == "LoadImage":  # as ComfyUI's: [1, H, W, 3] float in 0..1, and a mask
+            picture = images["first" if node["id"] == load_images[0] else "last"]
+            pixels = torch.from_numpy(np.asarray(Image.open(picture).convert("RGB")).copy()).float()[None] / 255
+            results[node["id"]] = (pixels, torch.zeros(pixels.shape[:3]))
+            continue
+        if kind in IMAGE_ENCODERS:
+            kwargs.update(width=width, height=height, frames=frames)
         if kind == "TPUWanLoRA":  # a LoRA of the same format for the tiny model, for the expert it names
             expert = "transformer_2" if kwargs["expert"] == "low noise" else "transformer"
             kwargs["lora_name"] = str(build_tiny_lora(tiny_wan[TINY_WAN[gen]] / expert,
