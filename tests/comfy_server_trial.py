@@ -9,7 +9,9 @@ models/diffusion_models, models/text_encoders and models/vae), starts `main.py -
 our nodes appear in /object_info, and per family turns the example workflow (sizes shrunk) into an API prompt,
 runs it through POST /prompt until Save Video writes an mp4, checks that a bad input is reported on the node,
 runs a long prompt, presses Cancel (POST /interrupt) after its first steps, checks that the next prompt still
-succeeds and that /free releases our weights. Prints a line per check and exits non-zero on the first failure.
+succeeds and that /free releases our weights. Then the Wan 2.1 I2V workflow runs from ComfyUI's Load Image (a
+picture placed in ComfyUI's input folder; tiny I2V single files and clip_vision in models/) to a saved mp4. Prints
+a line per check and exits non-zero on the first failure.
 
 --slice makes it a two-process slice on this machine: the server is process 0 (TPU_VIDEO_MULTIHOST=1) and
 `python -m tpu_runtime worker` process 1, 4 CPU devices each, so every prompt runs on one 8-device mesh across
@@ -80,7 +82,8 @@ FAMILIES = {
     "cogvideox": {
         "workflow": "cogvideox_2b_t2v_tpu.json", "prefix": "TPUCogVideoX", "loader": "TPUCogVideoXLoader",
         "sampler": "TPUCogVideoXSampler", "model_label": "CogVideoX-2b-tiny",
-        "nodes": ["TPUCogVideoXDecode", "TPUCogVideoXLoRA", "TPUCogVideoXLoader", "TPUCogVideoXSampler", "TPUCogVideoXTextEncode"],
+        "nodes": ["TPUCogVideoXDecode", "TPUCogVideoXImageEncode", "TPUCogVideoXLoRA", "TPUCogVideoXLoader",
+                  "TPUCogVideoXSampler", "TPUCogVideoXTextEncode"],
         "small": {"TPUCogVideoXLoader": {"model": "CogVideoX-2b-tiny", "dtype": "float32"},
                   "TPUCogVideoXSampler": {"width": 96, "height": 64, "frames": 9, "steps": 3}},
         "bad_frames": (10, "frames=10 must be 8*N+1 for CogVideoX-2b"),
@@ -89,7 +92,8 @@ FAMILIES = {
     "wan": {
         "workflow": "wan2.1_t2v_1.3B_tpu.json", "prefix": "TPUWan", "loader": "TPUWanModelFilesLoader",
         "sampler": "TPUWanSampler", "model_label": "wan_transformer_fp16",
-        "nodes": ["TPUWanDecode", "TPUWanLoRA", "TPUWanLoader", "TPUWanModelFilesLoader", "TPUWanSampler", "TPUWanTextEncode"],
+        "nodes": ["TPUWanDecode", "TPUWanImageEncode", "TPUWanLoRA", "TPUWanLoader", "TPUWanModelFilesLoader",
+                  "TPUWanSampler", "TPUWanTextEncode"],
         "small": {"TPUWanModelFilesLoader": {"diffusion_model": "wan_transformer_fp16.safetensors",
                                              "text_encoder": "umt5_fp16.safetensors",
                                              "vae": "wan_vae_bf16.safetensors", "dtype": "float32"},
@@ -111,9 +115,49 @@ def build_models(comfy: Path, python: str) -> None:
         "wan = m / 'wan_tiny_build';"
         "files = export_comfy_files(build_tiny_wan(wan, '2.1'), m / 'wan_tiny_files', 'fp16');"
         "[shutil.move(str(files[k]), str(m / d / files[k].name)) for k, d in (('transformer', 'diffusion_models'),"
-        " ('text_encoder', 'text_encoders'), ('vae', 'vae'))]"
+        " ('text_encoder', 'text_encoders'), ('vae', 'vae'))];"
+        "files = export_comfy_files(build_tiny_wan(m / 'wan_i2v_tiny_build', '2.1', image='i2v'), m / 'wan_i2v_files',"
+        " 'fp16');"
+        "(m / 'clip_vision').mkdir(exist_ok=True);"
+        "[shutil.move(str(files[k]), str(m / d / ('i2v_' + files[k].name))) for k, d in (('transformer',"
+        " 'diffusion_models'), ('text_encoder', 'text_encoders'), ('vae', 'vae'), ('clip_vision', 'clip_vision'))]"
     )
     subprocess.run([python, "-c", code, str(ROOT), str(models)], check=True)
+    # A picture in ComfyUI's input folder, where Load Image lists it: not the video's aspect ratio.
+    code = ("import sys, numpy as np; from PIL import Image; rng = np.random.default_rng(0);"
+            "Image.fromarray((rng.random((48, 80, 3)) * 255).astype(np.uint8)).save(sys.argv[1])")
+    (comfy / "input").mkdir(exist_ok=True)
+    subprocess.run([python, "-c", code, str(comfy / "input" / "tpu_trial_first.png")], check=True)
+
+
+def i2v_trial(port: int, comfy: Path, info: dict) -> None:
+    """The Wan 2.1 I2V workflow from Load Image (a picture in ComfyUI's input folder) to a saved mp4, with the
+    single files and clip_vision picked from ComfyUI's folders; then an image encoded at another size than the
+    sampler's is reported on the sampler."""
+    assert "tpu_trial_first.png" in info["LoadImage"]["input"]["required"]["image"][0]
+    assert "i2v_clip_vision_fp16.safetensors" in info["TPUWanModelFilesLoader"]["input"]["optional"]["clip_vision"][0]
+    workflow = json.loads((ROOT / "workflows" / "wan2.1_i2v_480p_14B_tpu.json").read_text())
+    size = {"width": 64, "height": 64, "frames": 9}
+    small = {"TPUWanModelFilesLoader": {"diffusion_model": "i2v_wan_transformer_fp16.safetensors",
+                                        "text_encoder": "i2v_umt5_fp16.safetensors",
+                                        "vae": "i2v_wan_vae_bf16.safetensors", "dtype": "float32",
+                                        "clip_vision": "i2v_clip_vision_fp16.safetensors"},
+             "LoadImage": {"image": "tpu_trial_first.png"}, "TPUWanImageEncode": size,
+             "TPUWanSampler": {**size, "steps": 3}, "SaveVideo": {"filename_prefix": "video/tpu_trial_i2v"}}
+    out_dir = comfy / "output" / "video"
+    before = set(out_dir.glob("tpu_trial_i2v*.mp4")) if out_dir.exists() else set()
+    result = wait_for(port, http(port, "/prompt", {"prompt": ui_to_api(workflow, info, small)})["prompt_id"], 600)
+    assert result["status"]["status_str"] == "success", result["status"]
+    new = set(out_dir.glob("tpu_trial_i2v*.mp4")) - before
+    assert new, "no mp4 written"
+    print("[i2v] Load Image -> Wan Image Encode -> sampler -> decode ran to", sorted(new)[0].name,
+          f"({sorted(new)[0].stat().st_size} bytes)")
+    bad = ui_to_api(workflow, info, {**small, "TPUWanSampler": {**size, "frames": 13, "steps": 3}})
+    result = wait_for(port, http(port, "/prompt", {"prompt": bad})["prompt_id"], 300)
+    messages = json.dumps(result["status"].get("messages", []))
+    assert result["status"]["status_str"] == "error" and "encoded for 9 frames of 64x64" in messages, messages
+    print("[i2v] an image encoded for another size is reported on the sampler:",
+          "the image was encoded for 9 frames of 64x64")
 
 
 def trial(family: str, port: int, comfy: Path, info: dict) -> None:
@@ -219,6 +263,8 @@ def main() -> int:
         print("loaders list the tiny models from ComfyUI's model folders")
         for family in (["cogvideox", "wan"] if args.family == "both" else [args.family]):
             trial(family, port, comfy, info)
+        if args.family in ("wan", "both"):
+            i2v_trial(port, comfy, info)
         if worker is not None:
             server.terminate()
             server.wait(timeout=30)

@@ -44,7 +44,7 @@ _LAYOUT_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 
 _SLICE_SIZES = {"v5e": (1, 4, 8, 16, 32, 64), "v6e": (1, 4, 8, 16, 32, 64), "v5p": (8, 16, 32, 64, 128),
                 "v4": (8, 16, 32, 64, 128)}
 MOSAIC = "tpu_custom_call"  # a Pallas kernel lowered for TPU
-STAGES = ("encode", "sample", "decode")
+STAGES = ("encode", "image", "sample", "decode")  # image: image-to-video models only
 _COLLECTIVES = {"all_reduces": "all-reduce", "all_gathers": "all-gather", "reduce_scatters": "reduce-scatter",
                 "all_to_alls": "all-to-all", "collective_permutes": "collective-permute"}
 
@@ -517,7 +517,7 @@ def add_args(parser) -> None:
     parser.add_argument("--exp2", action="store_true")
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--vae-sharding", default="replicated", choices=["replicated", "width"])
-    parser.add_argument("--stages", default=",".join(STAGES), help="comma list of encode,sample,decode")
+    parser.add_argument("--stages", default=",".join(STAGES), help="comma list of encode,image,sample,decode (image: image-to-video models)")
     parser.add_argument("--layers", type=int, help="compile the transformer with this many layers (a quick check; "
                         "reported as reduced depth)")
     parser.add_argument("--json", help="also write the report as JSON to this file")
