@@ -32,9 +32,15 @@ HEARTBEAT = 4
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     base = tmp_path_factory.mktemp("multihost")
+    from PIL import Image
+
     wan = build_tiny_wan(base / "wan", "2.1", seed=3, spec=TinyWanSpec(heads=8, layers=1))
+    picture = base / "first.png"
+    Image.fromarray((np.random.default_rng(1).random((40, 50, 3)) * 255).astype(np.uint8)).save(picture)
     return {"cogvideox": build_tiny_cogvideox(base / "cogvideox", "5b", seed=3, spec=TinySpec("5b", heads=8)),
-            "wan": wan, "wan_lora": build_tiny_lora(wan / "transformer", base / "wan_lora.safetensors", seed=5)}
+            "wan": wan, "wan_lora": build_tiny_lora(wan / "transformer", base / "wan_lora.safetensors", seed=5),
+            "wan_i2v": build_tiny_wan(base / "wan_i2v", "2.1", seed=3, spec=TinyWanSpec(heads=8, layers=1),
+                                      image="i2v"), "picture": picture}
 
 
 def _free_port() -> int:
@@ -82,10 +88,13 @@ def _run_slice(tmp: Path, jobs, driver_cwd: Path, worker_cwd: Path):
 
 def _generate_jobs(models):
     """Both families on both meshes; Wan with a LoRA on tp=8 (its merge then runs on weights split over both
-    processes)."""
+    processes); Wan 2.1 I2V on tp=8 from a picture (the image encode stage, its CLIP features and the conditioned
+    step replayed on the worker)."""
     return [{"generate": f"{family}_{axis}", "model": str(models[family]), "mesh": mesh, **SIZE,
              "loras": [f"{models['wan_lora']}:0.8"] if (family, axis) == ("wan", "tp") else []}
-            for family in ("cogvideox", "wan") for axis, mesh in MESHES.items()]
+            for family in ("cogvideox", "wan") for axis, mesh in MESHES.items()] + [
+        {"generate": "wan_i2v_tp", "model": str(models["wan_i2v"]), "mesh": MESHES["tp"], **SIZE,
+         "image": str(models["picture"])}]
 
 
 @pytest.fixture(scope="module")
@@ -117,19 +126,19 @@ def test_two_processes_give_the_one_process_frames(two_processes, one_process):
     single_out, single = one_process
     assert (report["processes"], report["devices"], report["local_devices"]) == (2, 8, 4)
     assert (single["processes"], single["devices"], single["local_devices"]) == (1, 8, 8)
-    for family in ("cogvideox", "wan"):
-        for axis, mesh in MESHES.items():
-            name = f"{family}_{axis}"
-            assert report[name]["devices"] == 8 and report[name]["mesh"] == mesh
-            assert report[name]["loras"] == single[name]["loras"] == (name == "wan_tp")
-            got = load_file(out / name / "frames.safetensors")["frames"]
-            want = load_file(single_out / name / "frames.safetensors")["frames"]
-            assert got.shape == want.shape and np.isfinite(got).all()
-            print(name, "max |slice - one process|", np.abs(got - want).max())
-            assert np.abs(got - want).max() < 1e-5, (name, np.abs(got - want).max())
+    runs = [(f"{family}_{axis}", mesh) for family in ("cogvideox", "wan") for axis, mesh in MESHES.items()]
+    for name, mesh in runs + [("wan_i2v_tp", MESHES["tp"])]:
+        assert report[name]["devices"] == 8 and report[name]["mesh"] == mesh
+        assert report[name]["loras"] == single[name]["loras"] == (name == "wan_tp")
+        got = load_file(out / name / "frames.safetensors")["frames"]
+        want = load_file(single_out / name / "frames.safetensors")["frames"]
+        assert got.shape == want.shape and np.isfinite(got).all()
+        print(name, "max |slice - one process|", np.abs(got - want).max())
+        assert np.abs(got - want).max() < 1e-5, (name, np.abs(got - want).max())
     # The worker ran every call and stopped when process 0 closed the slice.
     assert worker_code == 0, worker_log[-3000:]
     assert worker_log.count("call ") >= 4 * 4, worker_log[-3000:]
+    assert "encode_image" in worker_log, worker_log[-3000:]
 
 
 def test_a_worker_without_the_model_is_named_before_any_compile(two_processes):
