@@ -91,7 +91,11 @@ def find_files(kind: str) -> dict[str, Path]:
                     found.setdefault(str(p.relative_to(folder)), p)
         return found
     found = {}
-    for name in folder_paths.get_filename_list(kind):
+    try:
+        names = folder_paths.get_filename_list(kind)
+    except KeyError:  # a folder type this ComfyUI does not have
+        names = []
+    for name in names:
         if name.endswith(".safetensors"):
             path = folder_paths.get_full_path(kind, name)
             if path:

@@ -85,9 +85,9 @@ def test_other_model_families_are_refused(tiny_models, tmp_path):
     (other / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(ModelFolderError, match="holds a WanPipeline model, not CogVideoX"):
         CogVideoXFamily(other)
-    index["_class_name"] = "CogVideoXImageToVideoPipeline"
+    index["_class_name"] = "CogVideoXVideoToVideoPipeline"  # a CogVideoX pipeline this pack does not run
     (other / "model_index.json").write_text(json.dumps(index))
-    with pytest.raises(ModelFolderError, match="only text-to-video"):
+    with pytest.raises(ModelFolderError, match="this pack runs text-to-video .* and image-to-video"):
         CogVideoXFamily(other)
 
 

@@ -126,11 +126,19 @@ def test_folders_that_are_not_wan_or_incomplete(tiny_wan, tiny_models, tmp_path)
     with pytest.raises(ModelFolderError):  # the error type the nodes and the CLI report
         WanFamily(broken)
     _refused(lambda: WanFamily(broken), "incomplete", "vae/ (folder missing)")
-    i2v = tmp_path / "i2v"
+    vace = tmp_path / "vace"
+    shutil.copytree(tiny_wan["2.1"], vace)
+    index = json.loads((vace / "model_index.json").read_text())
+    (vace / "model_index.json").write_text(json.dumps({**index, "_class_name": "WanVACEPipeline"}))
+    _refused(lambda: WanFamily(vace), "WanVACEPipeline", "WanImageToVideoPipeline")
+    # An image-to-video folder whose transformer attends to CLIP features but which lacks its image encoder.
+    i2v = tmp_path / "i2v_without_encoder"
     shutil.copytree(tiny_wan["2.1"], i2v)
-    index = json.loads((i2v / "model_index.json").read_text())
+    config = json.loads((i2v / "transformer" / "config.json").read_text())
+    config.update(in_channels=36, image_dim=64, added_kv_proj_dim=256)
+    (i2v / "transformer" / "config.json").write_text(json.dumps(config))
     (i2v / "model_index.json").write_text(json.dumps({**index, "_class_name": "WanImageToVideoPipeline"}))
-    _refused(lambda: WanFamily(i2v), "WanImageToVideoPipeline", "text-to-video")
+    _refused(lambda: WanFamily(i2v), "no image_encoder", "image_processor")
 
 
 def test_single_files_are_checked(tiny_wan, tmp_path):

@@ -68,8 +68,21 @@ def _cogvideox_scheduler(snr_shift: float) -> dict:
     }
 
 
+def _cogvideox_i2v(transformer: dict, v15: bool) -> dict:
+    """The I2V model of a generation: the image latents on channels (twice the input channels); 5b-I2V has learned
+    positions for 480x720, 1.5-I2V an ``ofs`` embedding and a position grid for up to 2400x2400."""
+    config = dict(transformer, in_channels=2 * transformer["out_channels"])
+    if v15:
+        config.update(ofs_embed_dim=512, sample_height=300, sample_width=300)
+    else:
+        config.update(use_learned_positional_embeddings=True)
+    return config
+
+
 def _cogvideox(repo: str, transformer: dict, vae: dict, snr_shift: float) -> dict:
-    index = {"_class_name": "CogVideoXPipeline", "scheduler": ["diffusers", "CogVideoXDDIMScheduler"],
+    image = transformer["in_channels"] == 2 * transformer["out_channels"]
+    index = {"_class_name": "CogVideoXImageToVideoPipeline" if image else "CogVideoXPipeline",
+             "scheduler": ["diffusers", "CogVideoXDDIMScheduler"],
              "text_encoder": ["transformers", "T5EncoderModel"], "tokenizer": ["transformers", "T5Tokenizer"],
              "transformer": ["diffusers", "CogVideoXTransformer3DModel"], "vae": ["diffusers", "AutoencoderKLCogVideoX"]}
     return {"repo": repo, "model_index.json": index, "transformer/config.json": transformer,
@@ -95,20 +108,51 @@ WAN22_VAE = {"_class_name": "AutoencoderKLWan", "attn_scales": [], "base_dim": 1
              "temperal_downsample": [False, True, True], "z_dim": 48, "clip_output": False, **WAN22_LATENTS}
 
 
+# laion/CLIP-ViT-H-14's vision tower, as the Wan 2.1 I2V repositories' image_encoder/config.json has it, and its
+# preprocessing (CLIP's: short side to 224, centre crop, OpenAI's mean and std).
+CLIP_VISION_H = {"architectures": ["CLIPVisionModel"], "model_type": "clip_vision_model", "hidden_size": 1280,
+                 "intermediate_size": 5120, "num_hidden_layers": 32, "num_attention_heads": 16, "patch_size": 14,
+                 "image_size": 224, "hidden_act": "gelu", "layer_norm_eps": 1e-5, "projection_dim": 1024,
+                 "num_channels": 3}
+CLIP_PROCESSOR = {"image_processor_type": "CLIPImageProcessor", "do_resize": True, "size": {"shortest_edge": 224},
+                  "resample": 3, "do_center_crop": True, "crop_size": {"height": 224, "width": 224},
+                  "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
+                  "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
+
+
+def _wan_i2v(transformer: dict, clip: bool, flf2v: bool = False) -> dict:
+    """The image-to-video transformer: + frame mask + image latents on channels; Wan 2.1's attends to CLIP
+    features (FLF2V: of two images, with their positions)."""
+    config = dict(transformer, in_channels=transformer["out_channels"] * 2 + 4)
+    if clip:
+        config.update(image_dim=1280, added_kv_proj_dim=transformer["num_attention_heads"] * 128)
+    if flf2v:
+        config.update(pos_embed_seq_len=2 * 257)
+    return config
+
+
 def _wan(repo: str, transformer: dict, vae: dict, shift: float, two_experts: bool = False,
          expand_timesteps: bool = False) -> dict:
-    from .wan import DEFAULT_BOUNDARY, DEFAULT_SCHEDULER
+    from .wan import DEFAULT_BOUNDARY, DEFAULT_BOUNDARY_I2V, DEFAULT_SCHEDULER
 
-    index = {"_class_name": "WanPipeline", "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+    image = transformer["in_channels"] != transformer["out_channels"]
+    clip = transformer.get("image_dim") is not None
+    index = {"_class_name": "WanImageToVideoPipeline" if image else "WanPipeline", "scheduler": ["diffusers", "UniPCMultistepScheduler"],
              "text_encoder": ["transformers", "UMT5EncoderModel"], "tokenizer": ["transformers", "T5TokenizerFast"],
              "transformer": ["diffusers", "WanTransformer3DModel"], "vae": ["diffusers", "AutoencoderKLWan"],
              "transformer_2": ["diffusers", "WanTransformer3DModel"] if two_experts else [None, None],
              "expand_timesteps": expand_timesteps}
     if two_experts:
-        index["boundary_ratio"] = DEFAULT_BOUNDARY
+        index["boundary_ratio"] = DEFAULT_BOUNDARY_I2V if image else DEFAULT_BOUNDARY
+    if image:
+        index["image_encoder"] = ["transformers", "CLIPVisionModel"] if clip else [None, None]
+        index["image_processor"] = ["transformers", "CLIPImageProcessor"] if clip else [None, None]
     files = {"repo": repo, "model_index.json": index, "transformer/config.json": transformer,
              "vae/config.json": vae, "text_encoder/config.json": UMT5_XXL,
              "scheduler/scheduler_config.json": dict(DEFAULT_SCHEDULER, flow_shift=shift)}
+    if clip:
+        files["image_encoder/config.json"] = CLIP_VISION_H
+        files["image_processor/preprocessor_config.json"] = CLIP_PROCESSOR
     if two_experts:
         files["transformer_2/config.json"] = transformer
     return files
@@ -127,6 +171,20 @@ ARCHITECTURES: dict[str, dict] = {
                             two_experts=True),
     "wan2.2-ti2v-5b": _wan("Wan-AI/Wan2.2-TI2V-5B-Diffusers", _wan_transformer(24, 14336, 30, channels=48),
                            WAN22_VAE, 5.0, expand_timesteps=True),
+    # image to video
+    "cogvideox-5b-i2v": _cogvideox("THUDM/CogVideoX-5b-I2V", _cogvideox_i2v(
+        _cogvideox_transformer(48, 42, rotary=True), v15=False), _cogvideox_vae(0.7), snr_shift=1.0),
+    "cogvideox1.5-5b-i2v": _cogvideox("THUDM/CogVideoX1.5-5B-I2V", _cogvideox_i2v(
+        _cogvideox_transformer(48, 42, rotary=True, v15=True), v15=True), _cogvideox_vae(0.7, v15=True),
+        snr_shift=1.0),
+    "wan2.1-i2v-14b-480p": _wan("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
+                                _wan_i2v(_wan_transformer(40, 13824, 40), clip=True), WAN21_VAE, 3.0),
+    "wan2.1-i2v-14b-720p": _wan("Wan-AI/Wan2.1-I2V-14B-720P-Diffusers",
+                                _wan_i2v(_wan_transformer(40, 13824, 40), clip=True), WAN21_VAE, 5.0),
+    "wan2.1-flf2v-14b-720p": _wan("Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers",
+                                  _wan_i2v(_wan_transformer(40, 13824, 40), clip=True, flf2v=True), WAN21_VAE, 16.0),
+    "wan2.2-i2v-a14b": _wan("Wan-AI/Wan2.2-I2V-A14B-Diffusers", _wan_i2v(_wan_transformer(40, 13824, 40), clip=False),
+                            WAN21_VAE, 5.0, two_experts=True),
 }
 
 

@@ -1,4 +1,5 @@
-"""CogVideoX text-to-video on JAX through torchax: load, encode text, sample, decode.
+"""CogVideoX text- and image-to-video on JAX through torchax: load, encode text (and the first frame), sample,
+decode.
 
 The three stages match diffusers' ``CogVideoXPipeline`` number for number (same weights, prompt and seed give
 the same frames), but each stage is one compiled program per shape:
@@ -13,6 +14,11 @@ the same frames), but each stage is one compiled program per shape:
 
 Generations: 2b (sin-cos positions), 5b (RoPE, linspace grid), 1.5 (RoPE slice grid, ``patch_size_t=2``: an odd
 latent frame count gets one extra latent frame in front, dropped before decode).
+
+Image to video (``CogVideoXImageToVideoPipeline``: 5b-I2V, 1.5-I2V): the image encode stage runs the VAE encoder
+on the first frame and returns its posterior (mean, std); sampling draws the image latent from it as the seed's
+first draw, scales it, puts it in front of zero frames and concatenates it on channels at every step (1.5-I2V
+also passes ``ofs``), exactly as diffusers' ``prepare_latents`` and denoising loop do.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Wan text-to-video on JAX through torchax: Wan 2.1 (1.3B, 14B), Wan 2.2 A14B (two experts) and TI2V-5B.
+"""Wan on JAX through torchax: text to video with Wan 2.1 (1.3B, 14B), Wan 2.2 A14B (two experts) and TI2V-5B;
+image to video with Wan 2.1 I2V and FLF2V (CLIP vision features), Wan 2.2 I2V-A14B and TI2V-5B with an image.
 
 The stages match diffusers' ``WanPipeline`` number for number (same weights, prompt and seed give the same
 frames); each is one compiled program per shape:
@@ -16,6 +17,12 @@ frames); each is one compiled program per shape:
   exactly the same numbers from the scalar timestep, which is what the program passes.
 - decode: the Wan VAE (one latent frame at a time with its causal conv cache, as diffusers does it), after
   de-normalising the latents with the VAE's ``latents_mean``/``latents_std``.
+
+- image (image-to-video, ``WanImageToVideoPipeline``): the VAE encode of the conditioning video (first frame,
+  zeros, FLF2V's last frame; TI2V-5B: the first frame alone), normalised, plus CLIP vision's second-to-last hidden
+  states where the transformer attends to image features. Sampling concatenates the frame mask and the condition
+  on channels at every step, or (TI2V-5B, ``expand_timesteps``) holds the first latent frame at the image's with
+  timestep 0 on its tokens.
 
 Models come from a diffusers folder (``model_index.json``) or from ComfyUI's single files (``wan_files.py``).
 """
