@@ -42,7 +42,7 @@ def _close(ours, ref, size):
     assert np.abs(ours - ref).max() < TOL
 
 
-@pytest.mark.parametrize("kind,scheduler", [("cog-5b", "dpm"), ("cog-5b", "ddim"), ("cog-1.5", "dpm")])
+@pytest.mark.parametrize("kind,scheduler", [("cog-5b", "dpm"), ("cog-1.5", "ddim")])
 def test_cogvideox_i2v_matches_diffusers(i2v_models, images, tmp_path, kind, scheduler):
     """The image's posterior sample is the first draw from the seed (then the noise, then DPM's per-step noise);
     1.5-I2V adds its ofs embedding, the padding frame and the inverted latent scaling."""
@@ -103,16 +103,14 @@ def test_ti2v_with_an_image_matches_diffusers(tiny_wan, images, tmp_path):
     assert _latent_change(tmp_path, tmp_path / "t2v") > 1e-2
 
 
-@pytest.mark.parametrize("kind", ["wan-i2v", "wan-flf2v", "wan-a14b"])
+@pytest.mark.parametrize("kind", ["wan-i2v", "wan-flf2v"])
 def test_single_files_match_the_folder(i2v_models, images, tmp_path, kind):
     """ComfyUI's files: the I2V / FLF2V diffusion model (its image embedder, image key/value projections and
-    FLF2V's image positions in the original names), umT5, the VAE and clip_vision_h (--clip-vision); for 2.2
-    I2V-A14B the two experts, with its 0.9 boundary though the files do not record it."""
+    FLF2V's image positions in the original names), umT5, the VAE and clip_vision_h (--clip-vision)."""
     h, w, f = WAN
     folder = i2v_models[kind]
     files = export_comfy_files(folder, tmp_path / "files", "fp16")
-    clip = {"clip_vision"} if kind != "wan-a14b" else {"transformer_2"}
-    assert set(files) == {"transformer", "text_encoder", "vae"} | clip
+    assert set(files) == {"transformer", "text_encoder", "vae", "clip_vision"}
     last = dict(last_image=images["last"]) if kind == "wan-flf2v" else {}
     ours = _ours(tmp_path / "files_run", files=files, image=images["first"], height=h, width=w, frames=f,
                  guidance=5.0, steps=4, **last)
@@ -209,3 +207,16 @@ def test_sampling_refuses_an_image_encoded_for_another_size(i2v_models, images):
     pixels = torch.from_numpy(np.asarray(Image.open(images["first"]).convert("RGB")).copy()).float()[None] / 255
     again = family.encode_image(pixels, height=64, width=64, num_frames=9)
     assert torch.equal(again.latents, image.latents) and torch.equal(again.image_embeds, image.image_embeds)
+
+
+def test_wan22_i2v_single_files_switch_experts_at_09(i2v_models, tmp_path):
+    """The files of Wan 2.2 I2V-A14B do not record the boundary: it is the I2V model's 0.9 (T2V-A14B: 0.875),
+    read from the transformer taking image channels; the files give the folder's weights."""
+    from tpu_runtime.wan import WanFamily, WanFiles
+
+    files = export_comfy_files(i2v_models["wan-a14b"], tmp_path / "files", "fp16")
+    family = WanFamily(files=WanFiles(files["transformer"], files["text_encoder"], files["vae"],
+                                      files["transformer_2"]), dtype="float32")
+    assert family.boundary_ratio == 0.9 and family.two_experts and family.image_input == "required"
+    assert not family.uses_clip
+
