@@ -2,9 +2,8 @@
 
 Each family has the same kinds of node (Loader → Text Encode [+ Image Encode] → Sampler → Decode, LoRA between
 loader and sampler) with the same inputs where the families agree; a family module only sets its types, its
-category and its family-specific inputs. Values
-between nodes are CPU torch tensors in small dicts (ComfyUI can hold and cache them); device buffers stay in the
-runtime.
+category and its family-specific inputs. Values between nodes are CPU torch tensors in small dicts or dataclasses
+(ComfyUI can hold and cache them); device buffers stay in the runtime.
 """
 
 from __future__ import annotations
