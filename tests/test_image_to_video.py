@@ -220,3 +220,17 @@ def test_wan22_i2v_single_files_switch_experts_at_09(i2v_models, tmp_path):
     assert family.boundary_ratio == 0.9 and family.two_experts and family.image_input == "required"
     assert not family.uses_clip
 
+
+def test_wan21_i2v_native_size_follows_the_model_name(tmp_path):
+    """Wan 2.1 I2V 480P and 720P have one architecture: the default size (no --height/--width) is read from the
+    folder's or file's name, 480x832 unless it says 720 (FLF2V is 720P)."""
+    import jax
+
+    from tpu_runtime.architectures import write_architecture
+    from tpu_runtime.wan import WanFamily
+
+    sizes = {name: WanFamily(write_architecture(name, tmp_path), target_devices=jax.devices()).native_size()
+             for name in ("wan2.1-i2v-14b-480p", "wan2.1-i2v-14b-720p", "wan2.1-flf2v-14b-720p")}
+    assert sizes == {"wan2.1-i2v-14b-480p": (480, 832, 81), "wan2.1-i2v-14b-720p": (720, 1280, 81),
+                     "wan2.1-flf2v-14b-720p": (720, 1280, 81)}
+

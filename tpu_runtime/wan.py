@@ -376,6 +376,10 @@ class WanFamily(ModelFamily):
 
     # --- facts ---------------------------------------------------------------------------------------------------
     def native_size(self) -> tuple[int, int, int]:
+        if self.generation == "2.1" and self.image_input == "required":
+            # Wan 2.1 I2V 480P and 720P (and FLF2V, 720P) share one architecture: only their names tell the size
+            # they were trained at; diffusers' image-to-video pipeline defaults to 480x832.
+            return NATIVE["2.1"] if "720" in self.label.lower() else NATIVE["2.1-small"]
         if self.generation == "2.1":
             small = self.transformer_config["num_attention_heads"] * self.transformer_config["attention_head_dim"]
             return NATIVE["2.1-small" if small <= 2048 else "2.1"]
