@@ -91,6 +91,36 @@ def test_flf2v_first_and_last_frame_match_diffusers(i2v_models, images, tmp_path
     assert _latent_change(tmp_path, tmp_path / "other") > 1e-2
 
 
+def test_wan_vae_encode_runs_chunk_by_chunk_equal_to_diffusers(i2v_models, images):
+    """The conditioning video is encoded as diffusers' causal loop runs (the first frame, then 4 frames at a time):
+    one program for the first two chunks, one called for each later chunk with the caches on the devices, so a
+    long video's compile does not grow with its frames. Equal to diffusers' one ``vae.encode`` over every frame,
+    with the last picture in the final chunk (FLF2V) and without."""
+    from diffusers import AutoencoderKLWan
+
+    from tpu_runtime.images import load_image, video_image
+    from tpu_runtime.wan import WanFamily
+
+    h, w, f = 32, 32, 13  # four latent frames: the start program, then the chunk program twice
+    first, last = (video_image(load_image(images[k]), h, w)[:, :, None] for k in ("first", "last"))
+    for kind, pictures in (("wan-i2v", [first]), ("wan-flf2v", [first, last])):
+        family = WanFamily(i2v_models[kind], dtype="float32")
+        assert [p.part for p in family.image_programs(h, w, f, len(pictures))] == ["start", "chunk", "clip"]
+        assert [p.part for p in family.image_programs(h, w, 5, len(pictures))] == ["start", "clip"]
+        ours = family.encode_image(images["first"], images["last"] if len(pictures) == 2 else None,
+                                   height=h, width=w, num_frames=f).latents[:, family.vae_scale_temporal:]
+        vae = AutoencoderKLWan.from_pretrained(i2v_models[kind] / "vae").eval()
+        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+        gap = torch.zeros(1, 3, f - len(pictures), h, w)
+        video = torch.cat([pictures[0], gap, *pictures[1:]], dim=2)
+        with torch.no_grad():
+            ref = (vae.encode(video).latent_dist.mode() - mean) / std
+        assert ours.shape == ref.shape == (1, mean.shape[1], 4, h // 8, w // 8)
+        assert ref.std() > 0.01
+        assert (ours - ref).abs().max() < 1e-4, (ours - ref).abs().max()
+
+
 def test_ti2v_with_an_image_matches_diffusers(tiny_wan, images, tmp_path):
     """TI2V-5B holds its first latent frame at the image's, with timestep 0 on those tokens (expand_timesteps);
     without an image it is text-to-video."""

@@ -493,11 +493,21 @@ class WanFamily(ModelFamily):
         executables = [self.compile_stage(p) for p in programs]
         pixels = [self.put(video_image(im, height, width)[:, :, None].to(self.dtype)) for im in images]
         start = time.perf_counter()
-        condition = self.runtime.to_cpu(executables[0](programs[0].example[0], *pixels)).float()
+        state = programs[0].example[0]
+        run = {p.part: e for p, e in zip(programs, executables)}
+        if "" in run:  # every frame in one program
+            condition = self.runtime.to_cpu(run[""](state, *pixels)).float()
+        else:  # the first two chunks, then one call per later chunk, the causal caches kept on the devices
+            out, caches = run["start"](state, *pixels)
+            parts = [self.runtime.to_cpu(out)]
+            for i in range(2, self.latent_shape(height, width, num_frames)[2]):
+                out, caches = run["chunk"](state, self.put(np.array(i, np.int32)), caches, *pixels[1:])
+                parts.append(self.runtime.to_cpu(out))
+            condition = torch.cat(parts, dim=2).float()
         embeds = None
         if self.uses_clip:
             clip_pixels = self._clip_processor()(images=images, return_tensors="pt").pixel_values
-            embeds = self.runtime.to_cpu(executables[1](programs[1].example[0], self.put(clip_pixels.float())))
+            embeds = self.runtime.to_cpu(run["clip"](programs[-1].example[0], self.put(clip_pixels.float())))
         self._record_run("image", start)
         if self.concat_condition:
             condition = torch.cat([self._frame_mask(height, width, num_frames, len(images) == 2), condition], dim=1)
@@ -529,27 +539,34 @@ class WanFamily(ModelFamily):
 
     def image_programs(self, height: int, width: int, num_frames: int, images: int = 1) -> list[StageProgram]:
         """The VAE encode of the conditioning video (the first frame, zeros, and the last frame if given; TI2V-5B:
-        the first frame alone), normalised by the latent statistics; and CLIP vision over ``images`` pictures
-        (its second-to-last hidden states) where the model attends to them."""
+        the first frame alone), normalised by the latent statistics, chunk by chunk as diffusers encodes it (the
+        first frame, then 4 frames at a time, the causal caches carried between): one program for the first two
+        chunks and, for longer videos, one for each later chunk, so neither holds more than one chunk's
+        activations (``decode_loop = "unrolled"``: one program over every frame). Then CLIP vision over
+        ``images`` pictures (its second-to-last hidden states) where the model attends to them."""
+        import jax
         import jax.numpy as jnp
 
         vae = self._component("vae")
-        mean, std_inv = self._latent_statistics()
+        mean, std_inv = (jnp.asarray(t.numpy()) for t in self._latent_statistics())
         frames = 1 if self.expand_timesteps else num_frames
+        t = self.vae_scale_temporal
+        chunks = 1 + (frames - 1) // t
+        last_given = images == 2 and frames > 1
 
-        def mode(module, video):
-            return module.encode(video).latent_dist.mode()
+        def normalised(latents):
+            return (latents.astype(jnp.float32) - mean) * std_inv
 
-        encode_fn = self.runtime.module_function(vae, mode)
-
-        def condition_fn(state, first, *last):
-            video = first
-            if frames > 1:
-                gap = frames - 1 - len(last)
-                video = jnp.concatenate([first, jnp.zeros(first.shape[:2] + (gap,) + first.shape[3:], first.dtype),
-                                         *last], axis=2)
-            latents = encode_fn(state, video).astype(jnp.float32)
-            return (latents - jnp.asarray(mean.numpy())) * jnp.asarray(std_inv.numpy())
+        def chunk(first, last, index):
+            """Pixel frames [1, 3, n, H, W] of chunk ``index`` (a Python int, or traced for the later chunks):
+            the first frame, else zeros with the last picture at the video's end."""
+            if isinstance(index, int) and index == 0:
+                return first
+            zeros = jnp.zeros(first.shape[:2] + (t,) + first.shape[3:], first.dtype)
+            if not last_given:
+                return zeros
+            final = jnp.where(index == chunks - 1, last, jnp.zeros_like(last))
+            return jnp.concatenate([zeros[:, :, :t - 1], final], axis=2)
 
         @contextlib.contextmanager
         def scope():
@@ -558,8 +575,47 @@ class WanFamily(ModelFamily):
 
         pixel = self.arg((1, 3, 1, height, width), self.dtype)
         example = (self._states["vae"], pixel, *([pixel] if images == 2 else []))
-        programs = [StageProgram("image", condition_fn, example, (height, width, frames, images),
-                                 f"Wan VAE encode of the image(s) for {num_frames}x{height}x{width}", scope, ("vae",))]
+        what = f"Wan VAE encode of the image(s) for {num_frames}x{height}x{width}"
+        key = (height, width, frames, images, self._resolved_decode_loop())
+        programs = []
+        if self._resolved_decode_loop() == "unrolled" or chunks == 1:
+            encode_fn = self.runtime.module_function(vae, lambda module, video: module.encode(video).latent_dist.mode())
+
+            def condition_fn(state, first, *last):
+                video = first
+                if frames > 1:
+                    gap = frames - 1 - len(last)
+                    video = jnp.concatenate([first, jnp.zeros(first.shape[:2] + (gap,) + first.shape[3:],
+                                                              first.dtype), *last], axis=2)
+                return normalised(encode_fn(state, video))
+
+            programs.append(StageProgram("image", condition_fn, example, key, what, scope, ("vae",)))
+        else:
+            step = _encode_function(self.runtime, vae)
+            keep, placed = self._vae_placement()
+
+            def start_fn(state, first, *last):
+                outs, caches = [], None
+                for i in range(min(chunks, 2)):
+                    out, caches = step(state, chunk(first, *(last or (None,)), i), caches)
+                    outs.append(out)
+                return normalised(jnp.concatenate(outs, axis=2)), [c if c is None else keep(c) for c in caches]
+
+            programs.append(StageProgram("image", start_fn, example, key + ("start",),
+                                         f"{what}: the first {min(chunks, 2)} chunks", scope, ("vae",), part="start"))
+            if chunks > 2:
+                with scope(), tracing():
+                    _, cache_structs = jax.eval_shape(start_fn, *example)
+
+                def chunk_fn(state, index, caches, *last):
+                    first = jnp.zeros((1, 3, 1, height, width), pixel.dtype)
+                    out, caches = step(state, chunk(first, *(last or (None,)), index), caches)
+                    return normalised(out), [c if c is None else keep(c) for c in caches]
+
+                chunk_example = (self._states["vae"], self.arg((), jnp.int32), [placed(c) for c in cache_structs],
+                                 *example[2:])
+                programs.append(StageProgram("image", chunk_fn, chunk_example, key + ("chunk",),
+                                             f"{what}: each later chunk of {t} frames", scope, ("vae",), part="chunk"))
         if self.uses_clip:
             clip = self._component("image_encoder")
             size = int(self.image_encoder_config.get("image_size", 224))
@@ -797,6 +853,20 @@ class WanFamily(ModelFamily):
             raise InputError(f"decode_loop {self.decode_loop!r} is not one of frames, unrolled")
         return self.decode_loop
 
+    def _vae_placement(self) -> tuple[Callable, Callable]:
+        """For the chunk-by-chunk VAE programs: ``keep(value)`` inside a program (a carried value stays placed as
+        the next call takes it) and ``placed(struct)`` (that placement as the next program's input)."""
+        import jax
+
+        def keep(value):
+            spec = self._vae_input_spec(value.shape)
+            return jax.lax.with_sharding_constraint(value, self.runtime.sharding(self.mesh, spec))
+
+        def placed(struct):
+            return None if struct is None else self.arg(struct.shape, struct.dtype, self._vae_input_spec(struct.shape))
+
+        return keep, placed
+
     def decode_programs(self, z_shape: tuple[int, ...]) -> list[StageProgram]:
         """The programs that de-normalise latents ``[1, C, T, h, w]`` and decode them, one latent frame at a time
         as diffusers does, to frames ``[F, H, W, 3]`` in 0..1: one program (unrolled), or the first two frames'
@@ -835,10 +905,7 @@ class WanFamily(ModelFamily):
             return [StageProgram("decode", frames_fn, example, key, what, scope, ("vae",))]
 
         post_quant, step = _frame_functions(self.runtime, vae)
-
-        def keep(value):  # x and the caches stay placed as the later-frame program takes them
-            spec = self._vae_input_spec(value.shape)
-            return jax.lax.with_sharding_constraint(value, self.runtime.sharding(self.mesh, spec))
+        keep, placed = self._vae_placement()
 
         def start_fn(state, z, mean, std_inv):
             x = post_quant(state, (z / std_inv + mean).astype(dtype))
@@ -857,9 +924,6 @@ class WanFamily(ModelFamily):
             return [first]
         with scope(), tracing():
             x_struct, _, cache_structs = jax.eval_shape(start_fn, *example)
-
-        def placed(struct):
-            return None if struct is None else self.arg(struct.shape, struct.dtype, self._vae_input_spec(struct.shape))
 
         def frame_fn(state, x, index, caches):
             x_frame = jax.lax.dynamic_slice_in_dim(x, index, 1, axis=2)
@@ -890,6 +954,25 @@ def _frame_functions(runtime: Runtime, vae: torch.nn.Module) -> tuple[Callable, 
 
     post_quant = runtime.module_function(vae, lambda module, z: module.post_quant_conv(z))
     return post_quant, runtime.module_function(vae, frame)
+
+
+def _encode_function(runtime: Runtime, vae: torch.nn.Module) -> Callable:
+    """Over jax values: ``step(state, pixels, caches) -> (latents, caches)``, one chunk of diffusers' causal
+    encode (``vae._encode``'s loop body: the first frame, or 4 frames) with its conv caches as explicit values
+    (``None`` before the first chunk), then ``quant_conv`` (1x1x1, so per chunk is the same) and the posterior's
+    mode (its mean)."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, patchify
+
+    cache_count = sum(isinstance(m, WanCausalConv3d) for m in vae.encoder.modules())
+
+    def chunk(module, pixels, caches):
+        feat = list(caches) if caches is not None else [None] * cache_count
+        if module.config.patch_size is not None:
+            pixels = patchify(pixels, patch_size=module.config.patch_size)
+        out = module.quant_conv(module.encoder(pixels, feat_cache=feat, feat_idx=[0]))
+        return out[:, :out.shape[1] // 2], feat
+
+    return runtime.module_function(vae, chunk)
 
 
 def _wan_vae_for_xla(vae: torch.nn.Module):
