@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tpu_runtime.errors import InputError
-from tpu_runtime.plan import GIB, ModelSource, Topology, parse_topology, plan
+from tpu_runtime.plan import GIB, ModelSource, parse_topology, plan
 
 V6E_8 = "v6e-8"
 

@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from .attention import AttentionConfig, attention_scope
+from .attention import AttentionConfig
 from .errors import InputError, ModelFolderError, StageFileError
 from .family import (
     ImageConditioning,

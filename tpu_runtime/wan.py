@@ -40,7 +40,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .attention import AttentionConfig, attention_scope
+from .attention import AttentionConfig
 from .errors import InputError, ModelFolderError
 from .family import (
     ImageConditioning,
@@ -447,8 +447,6 @@ class WanFamily(ModelFamily):
         return out.input_ids, out.attention_mask
 
     def encode(self, prompt: str, negative_prompt: str = "") -> TextEmbeddings:
-        import jax.numpy as jnp
-
         if not isinstance(prompt, str) or not prompt.strip():
             raise InputError("prompt is empty: describe the video you want")
         negative_prompt = negative_prompt or ""
@@ -800,8 +798,6 @@ class WanFamily(ModelFamily):
     # --- stage 3: decode ---------------------------------------------------------------------------------------
     def decode(self, latents: VideoLatents, tiling: bool = False, group_norm: str = "stock") -> torch.Tensor:
         """Frames ``[F, H, W, 3]`` float32 in 0..1 from stage-2 latents."""
-        import jax.numpy as jnp
-
         from .errors import StageFileError
 
         if tiling:
@@ -845,7 +841,8 @@ class WanFamily(ModelFamily):
     #: with the caches kept on the devices: memory bounded by one frame, a compile that does not grow with the
     #: frame count, each frame's pixels copied to the host as it is made. "unrolled": one program holding a copy
     #: of the decoder per latent frame; its compile grows with the frames, and the TPU compiler keeps far more
-    #: than one frame's activations live (the Wan 2.1 VAE at 480x832x81 needed 32 GB a chip).
+    #: than one frame's activations live (the Wan 2.1 VAE at 480x832x81 needed 32 GB a chip). The image encode of
+    #: the conditioning video follows the same choice (chunks of 4 frames in place of latent frames).
     decode_loop = "frames"
 
     def _resolved_decode_loop(self) -> str:
