@@ -550,18 +550,15 @@ class WanFamily(ModelFamily):
         frames = 1 if self.expand_timesteps else num_frames
         t = self.vae_scale_temporal
         chunks = 1 + (frames - 1) // t
-        last_given = images == 2 and frames > 1
 
         def normalised(latents):
             return (latents.astype(jnp.float32) - mean) * std_inv
 
-        def chunk(first, last, index):
-            """Pixel frames [1, 3, n, H, W] of chunk ``index`` (a Python int, or traced for the later chunks):
-            the first frame, else zeros with the last picture at the video's end."""
-            if isinstance(index, int) and index == 0:
-                return first
-            zeros = jnp.zeros(first.shape[:2] + (t,) + first.shape[3:], first.dtype)
-            if not last_given:
+        def later_chunk(index, last=None):
+            """Pixel frames [1, 3, 4, H, W] of chunk ``index`` >= 1 (a Python int, or traced): zeros, with the last
+            picture at the video's end."""
+            zeros = jnp.zeros((1, 3, t, height, width), jax_dtype(self.dtype))
+            if last is None:
                 return zeros
             final = jnp.where(index == chunks - 1, last, jnp.zeros_like(last))
             return jnp.concatenate([zeros[:, :, :t - 1], final], axis=2)
@@ -594,8 +591,8 @@ class WanFamily(ModelFamily):
 
             def start_fn(state, first, *last):
                 outs, caches = [], None
-                for i in range(min(chunks, 2)):
-                    out, caches = step(state, chunk(first, *(last or (None,)), i), caches)
+                for pixels in [first, later_chunk(1, *last)][:chunks]:
+                    out, caches = step(state, pixels, caches)
                     outs.append(out)
                 return normalised(jnp.concatenate(outs, axis=2)), [c if c is None else keep(c) for c in caches]
 
@@ -606,8 +603,7 @@ class WanFamily(ModelFamily):
                     _, cache_structs = jax.eval_shape(start_fn, *example)
 
                 def chunk_fn(state, index, caches, *last):
-                    first = jnp.zeros((1, 3, 1, height, width), pixel.dtype)
-                    out, caches = step(state, chunk(first, *(last or (None,)), index), caches)
+                    out, caches = step(state, later_chunk(index, *last), caches)
                     return normalised(out), [c if c is None else keep(c) for c in caches]
 
                 chunk_example = (self._states["vae"], self.arg((), jnp.int32), [placed(c) for c in cache_structs],
