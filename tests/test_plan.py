@@ -203,6 +203,10 @@ def test_cli_plans_a_folder_tries_meshes_and_writes_json(tiny_wan, tmp_path, cap
     fitting = [c for c in data["candidates"] if c["fits"]]
     assert len(data["candidates"]) > 1
     assert data["peak_bytes_per_chip"] == min(c["peak_bytes_per_chip"] for c in fitting)
+    # the peak is every component's weights resident plus the largest stage's own inputs, outputs and temporaries
+    extra = max(s["total_bytes_per_chip"] - s["weights_bytes_per_chip"] for s in data["stages"].values())
+    assert data["peak_bytes_per_chip"] == data["resident_weights_bytes_per_chip"] + extra
+    assert data["resident_weights_bytes_per_chip"] >= max(s["weights_bytes_per_chip"] for s in data["stages"].values())
 
 
 def test_cli_reports_bad_topology_as_an_error(capsys):

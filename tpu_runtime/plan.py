@@ -164,6 +164,7 @@ class PlanReport:
     fits: bool
     peak_bytes_per_chip: int
     stages: dict[str, StageReport]
+    resident_weights_bytes_per_chip: int = 0
     candidates: list[dict] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -369,6 +370,7 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
             attention=base.attention.impl + (" (exp2)" if base.attention.exp2 else ""), fsdp=fsdp,
             vae_sharding=vae_sharding, layers=layers, mesh=chosen.mesh, fits=chosen.fits,
             peak_bytes_per_chip=chosen.peak_bytes_per_chip, stages=chosen.stages,
+            resident_weights_bytes_per_chip=chosen.resident_weights_bytes_per_chip,
             candidates=[{"mesh": r.mesh, "fits": r.fits, "peak_bytes_per_chip": r.peak_bytes_per_chip}
                         for r in results],
         )
@@ -482,7 +484,8 @@ def format_report(r: PlanReport) -> str:
         lines.append(f"  meshes tried: {tried}")
     verdict = "FITS" if r.fits else "DOES NOT FIT"
     lines.append(f"  verdict: {verdict}: peak {_gib(r.peak_bytes_per_chip)} of {_gib(r.chip_hbm_bytes)} GiB per chip "
-                 f"(all weights resident + the largest stage's activations)")
+                 f"(all weights resident, {_gib(r.resident_weights_bytes_per_chip)} GiB, + the largest stage's "
+                 "activations)")
     for s in r.suggestions:
         lines.append(f"  try: {s}")
     lines.append(f"  planned in {r.seconds:.0f} s on this machine (peak host memory "
