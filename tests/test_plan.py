@@ -168,6 +168,24 @@ def test_a_14b_model_on_one_16gb_chip_does_not_fit_and_a_larger_slice_is_suggest
     assert estimate < 16
 
 
+def test_two_expert_models_count_both_experts_resident():
+    """Wan 2.2 A14B: one step program serves both experts; both stay on the chips, so both count."""
+    from tpu_runtime.plan import open_abstract
+
+    mesh = "dp=2,sp=1,tp=4"
+    report = plan(ModelSource("wan2.2-t2v-a14b"), V6E_8, mesh=mesh, height=64, width=64, frames=5,
+                  stages=("sample",), layers=1)
+    assert report.stages["sample"].compiled and report.fits
+    family = open_abstract(ModelSource("wan2.2-t2v-a14b"), parse_topology(V6E_8).devices(), _tmp(), mesh=mesh,
+                           layers=1)
+    names = ("text_encoder", "transformer", "transformer_2", "vae")
+    for name in names:
+        family._component(name)
+    parts = {c: _param_bytes_per_chip(family, c) for c in names}
+    assert parts["transformer_2"] == parts["transformer"] == report.stages["sample"].weights_bytes_per_chip
+    assert report.resident_weights_bytes_per_chip == sum(parts.values())
+
+
 def test_bad_input_is_refused_before_compiling():
     with pytest.raises(InputError, match="4\\*N\\+1"):
         plan(ModelSource("wan2.1-t2v-1.3b"), V6E_8, frames=80)

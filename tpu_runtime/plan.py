@@ -384,6 +384,8 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
 def _plan_mesh(family, settings: SampleSettings, stages, topo: Topology) -> MeshReport:
     programs = family.plan_programs(settings)
     components = sorted({c for p in programs for c in p.components})
+    for c in components:  # a program names every component it takes turns with (Wan 2.2's second expert)
+        family._component(c)
     weights = {c: shard_bytes(family._states[c]) for c in components}
     report = MeshReport(str(family.mesh_spec), False, sum(weights.values()), 0)
     for stage in stages:
