@@ -57,6 +57,9 @@ def test_block_sizes_fit_the_sequence():
     assert (bq, bkv, bkvc, lq, lk) == (128, 128, 128, 128, 128)
     # The Wan VAE's 384-wide single head at 480x832 (6240 tokens): blocks a third as long, still lane multiples.
     assert A.splash_block_sizes(config, 6240, 6240, head_dim=384) == (1024, 768, 256, 7168, 6912)
+    # v4/v5e/v5p cores have half a v6e core's scoped VMEM: blocks half as long there.
+    assert [A.vmem_narrowing(k) for k in ("TPU v6 lite", "TPU v5 lite", "TPU v5", "TPU v4", "cpu")] == [1, 2, 2, 2, 1]
+    assert A.splash_block_sizes(config, 75600, 75600, narrowing=2) == (1664, 1280, 256, 76544, 76800)
     with pytest.raises(InputError, match="multiple of block_kv_compute"):
         A.AttentionConfig(block_kv=300, block_kv_compute=256)
     assert A.AttentionConfig().resolve("tpu").impl == "splash"

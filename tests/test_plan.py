@@ -186,6 +186,20 @@ def test_two_expert_models_count_both_experts_resident():
     assert report.resident_weights_bytes_per_chip == sum(parts.values())
 
 
+def test_a_kernel_out_of_scoped_vmem_is_reported_with_smaller_blocks():
+    """Blocks too long for the chip's scoped VMEM (here twice the defaults, which v5e halves back to the v6e
+    sizes it cannot hold) are the compiler's error, not the HBM's: plan names it and suggests smaller blocks."""
+    from tpu_runtime.attention import AttentionConfig
+
+    big = AttentionConfig(impl="splash", block_q=6656, block_kv=5632)
+    report = plan(ModelSource("wan2.1-t2v-1.3b"), "v5e-4", mesh="dp=2,sp=1,tp=2", stages=("sample",), layers=1,
+                  attention=big, frames=13)  # 6240 tokens: longer than the blocks
+    sample = report.stages["sample"]
+    assert not report.fits and not sample.compiled
+    assert "CompileTimeScopedVmemOom" in sample.error
+    assert report.suggestions[0].startswith("smaller splash blocks: --block-q 3328 --block-kv 2816"), report.suggestions
+
+
 def test_bad_input_is_refused_before_compiling():
     with pytest.raises(InputError, match="4\\*N\\+1"):
         plan(ModelSource("wan2.1-t2v-1.3b"), V6E_8, frames=80)

@@ -2,6 +2,8 @@
 the mesh's platform, not the process's default backend. Compiled ahead of time for a v6e-8 topology with the TPU
 compiler that `jax[tpu]` installs (no TPU needed), through the same torchax override the models use."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,6 +62,20 @@ def test_reference_path_on_a_tpu_mesh_has_no_kernel(v6e_mesh):
     """The check above can fail: the reference implementation compiles without any Mosaic call."""
     text = _compile_sdpa(v6e_mesh, AttentionConfig(impl="reference"), tokens=1024).as_text()
     assert MOSAIC not in text
+
+
+@pytest.mark.parametrize("topology,heads,head_dim", [("v5e:2x4", 40, 128), ("v5p:2x2x1", 48, 64)])
+def test_splash_blocks_fit_the_scoped_vmem_of_earlier_chips(topology, heads, head_dim):
+    """The transformers' splash blocks (3328 x 2816, sized for a v6e core) need more scoped VMEM than a v5e or
+    v5p core has (CompileTimeScopedVmemOom, found planning Wan 14B and CogVideoX-5b for v5e-8 and v5p-8); on
+    those chips they are halved and the kernel compiles (Wan 14B's and CogVideoX-5b's heads)."""
+    from jax.experimental import topologies
+
+    devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+    mesh = Mesh(np.asarray(devices).reshape(2, 1, -1), ("dp", "sp", "tp"))
+    text = _compile_sdpa(mesh, AttentionConfig(impl="splash"), tokens=17_776, heads=heads, head_dim=head_dim).as_text()
+    assert MOSAIC in text
+    assert re.search(r'"block_q\\*": 1664', text)  # the narrowed blocks are the ones compiled
 
 
 def test_splash_on_wide_heads_fits_a_tpu_core(v6e_mesh):

@@ -87,6 +87,15 @@ def target_platform(mesh=None) -> str:
     return jax.default_backend()
 
 
+def target_device_kind(mesh=None) -> str:
+    """The kind of chip a program is compiled for (``TPU v6 lite``...): the mesh's devices', else the default."""
+    if mesh is not None:
+        return mesh.devices.flat[0].device_kind
+    import jax
+
+    return jax.devices()[0].device_kind
+
+
 def active_config() -> tuple[AttentionConfig, object, str]:
     """The active configuration resolved for its mesh's platform, the mesh, and that platform."""
     config, mesh = _active.get() or (AttentionConfig(), None)
@@ -161,18 +170,29 @@ def _round_up(x: int, m: int) -> int:
 
 
 SPLASH_BLOCK_HEAD_DIM = 128  # the head width the configured block sizes are for (the transformers': 64, 128)
+# The configured block sizes are for a v6e core's scoped VMEM (the compiler's default limit there: 32 MiB).
+# Earlier generations' cores default to half of that; the transformers' blocks (3328 x 2816) do not fit them
+# (found compiling Wan 14B and CogVideoX-5b for v5e-8 and v5p-8: CompileTimeScopedVmemOom).
+_NARROW_VMEM_CHIPS = ("TPU v4", "TPU v5 lite", "TPU v5", "TPU v5e", "TPU v5p")
 
 
-def splash_block_sizes(config: AttentionConfig, lq: int, lk: int, head_dim: int = SPLASH_BLOCK_HEAD_DIM
-                       ) -> tuple[int, int, int, int, int]:
+def vmem_narrowing(device_kind: str | None) -> int:
+    """How many times narrower splash blocks must be on a chip of ``device_kind`` (``TPU v5 lite``...) than the
+    configured ones: 2 on v4/v5e/v5p, 1 on v6e and anything else (other backends run no Mosaic kernel)."""
+    return 2 if device_kind in _NARROW_VMEM_CHIPS else 1
+
+
+def splash_block_sizes(config: AttentionConfig, lq: int, lk: int, head_dim: int = SPLASH_BLOCK_HEAD_DIM,
+                       narrowing: int = 1) -> tuple[int, int, int, int, int]:
     """Block sizes fitted to the sequence (never larger than it needs), and the padded lengths.
 
     Blocks are multiples of 128 (the kernel's lane width); a long sequence uses the configured sizes. Heads wider
     than 128 get q and kv blocks narrower in proportion: a block's VMEM grows with its width, and the Wan VAE's
     384-wide attention with the transformer's blocks needs more scoped VMEM than a TPU core has (the compiler
-    refuses it: CompileTimeScopedVmemOom).
+    refuses it: CompileTimeScopedVmemOom). ``narrowing`` (``vmem_narrowing``) divides them again for chips
+    with less scoped VMEM than a v6e core.
     """
-    wide = max(1, -(-head_dim // SPLASH_BLOCK_HEAD_DIM))
+    wide = max(1, -(-head_dim // SPLASH_BLOCK_HEAD_DIM)) * narrowing
     block_q = max(128, config.block_q // wide // 128 * 128)
     block_kv = max(config.block_kv_compute, config.block_kv // wide // config.block_kv_compute
                    * config.block_kv_compute)
@@ -194,14 +214,14 @@ def _splash_kernel(heads: int, lq_pad: int, lk_pad: int, bq: int, bkv: int, bkv_
     return sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
-def splash_attention(q, k, v, scale: float, config: AttentionConfig, interpret: bool):
+def splash_attention(q, k, v, scale: float, config: AttentionConfig, interpret: bool, narrowing: int = 1):
     """Splash attention on [B, H, L, D]: pads to the block sizes, masks the padding with segment ids."""
     import jax
     import jax.numpy as jnp
 
     b, h, lq, d = q.shape
     lk = k.shape[2]
-    bq, bkv, bkv_c, lq_pad, lk_pad = splash_block_sizes(config, lq, lk, d)
+    bq, bkv, bkv_c, lq_pad, lk_pad = splash_block_sizes(config, lq, lk, d, narrowing)
     q_seg = (jnp.arange(lq_pad) >= lq).astype(jnp.int32)  # 0 = real token, 1 = padding
     kv_seg = (jnp.arange(lk_pad) >= lk).astype(jnp.int32)
     qp = _pad_axis(q * jnp.asarray(scale, q.dtype), 2, lq_pad)
@@ -235,8 +255,9 @@ def cudnn_attention(q, k, v, scale: float):
     return t(out)
 
 
-def local_attention(q, k, v, scale: float, config: AttentionConfig, backend: str):
-    """Unmasked attention on [B, H, L, D] jax arrays of one device, with the implementation ``config`` names."""
+def local_attention(q, k, v, scale: float, config: AttentionConfig, backend: str, narrowing: int = 1):
+    """Unmasked attention on [B, H, L, D] jax arrays of one device, with the implementation ``config`` names
+    (``narrowing``: see ``vmem_narrowing``)."""
     impl = config.resolve(backend).impl
     if impl == "reference":
         return reference_attention(q, k, v, scale)
@@ -244,7 +265,7 @@ def local_attention(q, k, v, scale: float, config: AttentionConfig, backend: str
         return blockwise_attention(q, k, v, scale, config.chunk_q, config.chunk_kv)
     if impl == "cudnn":
         return cudnn_attention(q, k, v, scale)
-    return splash_attention(q, k, v, scale, config, interpret=backend != "tpu")
+    return splash_attention(q, k, v, scale, config, interpret=backend != "tpu", narrowing=narrowing)
 
 
 def attention(q, k, v, scale: float, config: AttentionConfig, backend: str, mesh=None):
@@ -253,7 +274,8 @@ def attention(q, k, v, scale: float, config: AttentionConfig, backend: str, mesh
 
     A query length that sp does not divide is padded to a multiple of sp; the padded query rows are dropped.
     """
-    fn = functools.partial(local_attention, scale=scale, config=config, backend=backend)
+    fn = functools.partial(local_attention, scale=scale, config=config, backend=backend,
+                           narrowing=vmem_narrowing(target_device_kind(mesh)) if backend == "tpu" else 1)
     if mesh is None or mesh.size == 1:
         return fn(q, k, v)
     from jax.sharding import PartitionSpec as P

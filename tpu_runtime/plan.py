@@ -410,6 +410,12 @@ def suggestions(source: ModelSource, family, report: MeshReport, topo: Topology,
     activations = max((max(0, r.total_bytes_per_chip - r.weights_bytes_per_chip) for r in report.stages.values()),
                       default=0)
     out = []
+    if any(r.error and "ScopedVmem" in r.error for r in report.stages.values()):
+        # A kernel's blocks, not the chip's HBM: narrower splash blocks are the fix, not more chips.
+        a = family.attention
+        out.append(f"smaller splash blocks: --block-q {max(128, a.block_q // 2 // 128 * 128)} --block-kv "
+                   f"{max(a.block_kv_compute, a.block_kv // 2 // a.block_kv_compute * a.block_kv_compute)} (an "
+                   "attention kernel ran out of the chip core's scoped VMEM)")
     decodes = [r for name, r in report.stages.items() if name.startswith("decode")]
     decode_short = any(_out_of_hbm(r) or r.total_bytes_per_chip > hbm for r in decodes)
     if decode_short and family.vae_sharding == "replicated" and family.mesh_spec.devices > 1:
