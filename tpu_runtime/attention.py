@@ -170,14 +170,14 @@ def _round_up(x: int, m: int) -> int:
 
 
 SPLASH_BLOCK_HEAD_DIM = 128  # the head width the configured block sizes are for (the transformers': 64, 128)
-# The configured block sizes are for a v6e core's scoped VMEM (the compiler's default limit there: 32 MiB).
-# Earlier generations' cores default to half of that; the transformers' blocks (3328 x 2816) do not fit them
-# (found compiling Wan 14B and CogVideoX-5b for v5e-8 and v5p-8: CompileTimeScopedVmemOom).
+# The configured block sizes fit a v6e core's scoped VMEM. Earlier generations' cores allow less: the
+# transformers' blocks (3328 x 2816) are refused there (found compiling Wan 14B and CogVideoX-5b for v5e-8 and
+# v5p-8: CompileTimeScopedVmemOom); halved, they compile.
 _NARROW_VMEM_CHIPS = ("TPU v4", "TPU v5 lite", "TPU v5", "TPU v5e", "TPU v5p")
 
 
 def vmem_narrowing(device_kind: str | None) -> int:
-    """How many times narrower splash blocks must be on a chip of ``device_kind`` (``TPU v5 lite``...) than the
+    """How many times shorter splash blocks are made on a chip of ``device_kind`` (``TPU v5 lite``...) than the
     configured ones: 2 on v4/v5e/v5p, 1 on v6e and anything else (other backends run no Mosaic kernel)."""
     return 2 if device_kind in _NARROW_VMEM_CHIPS else 1
 
@@ -190,7 +190,7 @@ def splash_block_sizes(config: AttentionConfig, lq: int, lk: int, head_dim: int 
     than 128 get q and kv blocks narrower in proportion: a block's VMEM grows with its width, and the Wan VAE's
     384-wide attention with the transformer's blocks needs more scoped VMEM than a TPU core has (the compiler
     refuses it: CompileTimeScopedVmemOom). ``narrowing`` (``vmem_narrowing``) divides them again for chips
-    with less scoped VMEM than a v6e core.
+    whose cores allow less scoped VMEM than a v6e core.
     """
     wide = max(1, -(-head_dim // SPLASH_BLOCK_HEAD_DIM)) * narrowing
     block_q = max(128, config.block_q // wide // 128 * 128)
