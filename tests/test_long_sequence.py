@@ -7,7 +7,7 @@ import sys
 from conftest import subprocess_env
 
 _WORKER = r"""
-import resource, sys, time
+import sys, time
 from tpu_runtime.cogvideox import CogVideoXFamily, SampleSettings
 from tpu_runtime.tiny import TinySpec, build_tiny_cogvideox
 
@@ -20,7 +20,10 @@ start = time.time()
 latents = family.sample(emb, SampleSettings(480, 720, 49, steps=1, guidance=6.0, seed=0))
 print("TOKENS", tokens, "ATTENTION", family.attention.impl, "SECONDS", round(time.time() - start, 1))
 print("FINITE", bool(latents.latents.isfinite().all()))
-print("PEAK_MIB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+# This process's own peak (VmHWM of its address space). ru_maxrss is not: Linux carries the parent's peak into a
+# child across fork/exec, so under a large pytest process it measured pytest, not this step.
+hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print("PEAK_MIB", int(hwm.split()[1]) / 1024)
 """
 
 
