@@ -2,8 +2,8 @@
 Works for CogVideoX and Wan folders alike.
 
 usage: python mesh_worker.py MODEL_DIR OUT_NPZ HEIGHT WIDTH MESH [MESH ...]
-A MESH may end in ":width" (split the VAE decode along the frame width), ":fsdp" (split the weights without a
-tensor-parallel rule over dp) and/or ":frames" (Wan: the VAE decode one latent frame per call), e.g.
+A MESH may end in ":width" (split the VAE decode along the frame width), ":fsdp" (split every weight matrix over
+dp as well) and/or ":frames" (Wan: the VAE decode one latent frame per call), e.g.
 "dp=2,sp=1,tp=4:fsdp".
 """
 

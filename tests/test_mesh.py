@@ -20,7 +20,7 @@ from tpu_runtime.tiny import TinySpec, build_tiny_cogvideox
 
 MESHES = ["dp=1,sp=1,tp=8", "dp=2,sp=1,tp=4", "dp=1,sp=2,tp=4", "dp=2,sp=2,tp=2"]
 WIDTH_SPLIT_VAE = "dp=2,sp=1,tp=4:width"  # the VAE decode split over the frame width, as seeds 000/001 do
-FSDP = "dp=2,sp=1,tp=4:fsdp"  # weights without a tp rule split over dp too
+FSDP = "dp=2,sp=1,tp=4:fsdp"  # every matrix split over dp too (tp's matrices on their other dimension)
 
 
 @pytest.fixture(scope="module")

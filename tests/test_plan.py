@@ -139,6 +139,57 @@ def test_fsdp_gathers_weights_before_use():
     assert report.stages["sample"].compiled and report.stages["sample"].all_gathers > 0
 
 
+def test_fsdp_splits_every_transformer_matrix_over_every_chip():
+    """FSDP adds dp to each matrix on a dimension tp leaves whole, keeping tp's split: Wan 14B's transformer on
+    v6e-4 (dp=2, tp=2) then holds about a quarter of its bytes per chip, not half."""
+    from tpu_runtime.plan import open_abstract
+
+    devices = parse_topology("v6e-4").devices()
+    plain = open_abstract(ModelSource("wan2.1-t2v-14b"), devices, _tmp(), mesh="dp=2,sp=1,tp=2")
+    fsdp = open_abstract(ModelSource("wan2.1-t2v-14b"), devices, _tmp(), mesh="dp=2,sp=1,tp=2", fsdp=True)
+    plain._component("transformer")
+    fsdp._component("transformer")
+    matrices = 0
+    for name, struct in fsdp._states["transformer"].items():
+        spec = tuple(struct.sharding.spec) + (None,) * (len(struct.shape) - len(struct.sharding.spec))
+        tp_only = tuple(plain._states["transformer"][name].sharding.spec)
+        assert tuple(a if a != "dp" else None for a in spec)[:len(tp_only)] == tp_only, name  # tp's split kept
+        if len(struct.shape) >= 2 and max(struct.shape) > 1:
+            matrices += 1
+            assert "dp" in spec, (name, struct.shape, spec)
+    assert matrices > 400  # 40 blocks of attention and feed-forward matrices
+    total = sum(int(np.prod(s.shape, dtype=np.int64)) * s.dtype.itemsize
+                for s in fsdp._states["transformer"].values())
+    per_chip = _param_bytes_per_chip(fsdp, "transformer")
+    # The blocks' matrices are split 4 ways; the embedders outside them (about 2% of the bytes, no tp rule) 2 ways.
+    assert total / 4 <= per_chip < total / 4 * 1.03
+    assert _param_bytes_per_chip(plain, "transformer") > total / 2 * 0.97
+
+
+def test_two_experts_on_a_slice_too_small_are_told_fsdp_fits():
+    """Wan 2.2 A14B on v6e-4: both experts resident do not fit 32 GiB with the default mesh (40.7 GiB compiled
+    at full size); split over dp as well they do, and the suggestion says so. The step's activations are the
+    compiled full-size figure; the weights are the model's own (full depth, abstract)."""
+    from tpu_runtime.plan import MeshReport, StageReport, open_abstract, suggestions
+
+    source = ModelSource("wan2.2-t2v-a14b")
+    family = open_abstract(source, parse_topology("v6e-4").devices(), _tmp(), mesh="dp=2,sp=1,tp=2")
+    names = ("text_encoder", "transformer", "transformer_2", "vae")
+    for name in names:
+        family._component(name)
+    resident = sum(_param_bytes_per_chip(family, n) for n in names)
+    step_weights = _param_bytes_per_chip(family, "transformer")
+    activations = int(5.1 * GIB)
+    report = MeshReport("dp=2,sp=1,tp=2", False, resident, resident + activations, {
+        "sample": StageReport(compiled=True, weights_bytes_per_chip=step_weights,
+                              total_bytes_per_chip=step_weights + activations)})
+    assert resident + activations > 32 * GIB
+    advice = suggestions(source, family, report, parse_topology("v6e-4"), None, ("sample",))
+    assert advice[0].startswith("--fsdp on this slice"), advice
+    estimate = float(re.search(r"about ([\d.]+) GiB", advice[0]).group(1))
+    assert estimate * GIB < 32 * GIB and estimate * GIB < resident * 0.6 + activations
+
+
 def test_vae_decode_compiles_for_v6e8_full_width():
     """The real Wan 2.1 VAE (every channel width), its decode split over the frame width of 8 chips, frame by
     frame as on TPU (the first two latent frames, then the program every later frame runs); a small frame keeps

@@ -82,7 +82,8 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool = False) -> None:
     p.add_argument("--block-kv", type=int, default=2816, help="splash key/value block")
     p.add_argument("--block-kv-compute", type=int, default=256, help="splash key/value compute block")
     p.add_argument("--exp2", action="store_true", help="splash in base-2 form (exp2 kernel)")
-    p.add_argument("--fsdp", action="store_true", help="also split weights without a tensor-parallel rule over dp")
+    p.add_argument("--fsdp", action="store_true", help="also split every weight matrix over dp (less memory per "
+                   "chip; each layer's weights are gathered before use)")
     p.add_argument("--vae-sharding", choices=["replicated", "width"], default="replicated",
                    help="width: split the VAE decode over devices along the frame width")
     p.add_argument("--output-dir", required=True)

@@ -7,8 +7,8 @@ Weights are placed by a per-family rule table: the first regex (on the parameter
 PartitionSpec; anything unmatched is replicated. Tensor parallelism follows Megatron: q/k/v and the first
 feed-forward projection are split on their output dimension (column parallel), the attention output and the
 second feed-forward projection on their input dimension (row parallel), so each block needs one all-reduce
-after attention and one after the feed-forward. ``fsdp=True`` additionally splits every other matrix over
-``dp`` (memory for speed: it is gathered before use).
+after attention and one after the feed-forward. ``fsdp=True`` also splits every matrix over ``dp``, on a
+dimension tp leaves whole (memory for speed: each is gathered over dp before use).
 """
 
 from __future__ import annotations
@@ -142,15 +142,16 @@ def spec_for(name: str, rules) -> tuple:
     return ()
 
 
-def fsdp_spec(shape: tuple[int, ...], dp: int) -> tuple:
-    """Split the largest dimension that ``dp`` divides; replicate small or indivisible tensors."""
+def fsdp_spec(shape: tuple[int, ...], dp: int, spec: tuple = ()) -> tuple:
+    """``spec`` with ``dp`` added on the largest dimension it leaves free that ``dp`` divides (a tp-split matrix
+    gets dp on its other dimension); vectors and indivisible tensors keep ``spec``."""
+    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
     if dp == 1 or len(shape) < 2:
-        return ()
-    dims = sorted(range(len(shape)), key=lambda i: -shape[i])
-    for i in dims:
-        if shape[i] % dp == 0:
-            return tuple("dp" if j == i else None for j in range(len(shape)))
-    return ()
+        return spec
+    for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
+        if spec[i] is None and shape[i] % dp == 0:
+            return tuple("dp" if j == i else spec[j] for j in range(len(shape)))
+    return spec
 
 
 def partition_specs(named_shapes: dict[str, tuple[int, ...]], rules, mesh_sizes: dict[str, int],
@@ -159,8 +160,8 @@ def partition_specs(named_shapes: dict[str, tuple[int, ...]], rules, mesh_sizes:
     specs = {}
     for name, shape in named_shapes.items():
         spec = spec_for(name, rules)
-        if not spec and fsdp:
-            spec = fsdp_spec(shape, mesh_sizes.get("dp", 1))
+        if fsdp:
+            spec = fsdp_spec(shape, mesh_sizes.get("dp", 1), spec)
         spec = tuple(
             axis if axis is not None and shape[i] % mesh_sizes.get(axis, 1) == 0 else None
             for i, axis in enumerate(spec)
