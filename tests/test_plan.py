@@ -132,6 +132,26 @@ def _tmp():
     return Path(tempfile.mkdtemp())
 
 
+def test_a_collective_cut_into_pieces_counts_once():
+    """The TPU compiler for v5e cuts a large all-gather into a chain of pieces sharing one channel id (lines as it
+    wrote them for CogVideoX-2b's step on v5e-8, shortened); v6e keeps it whole. Both count one all-gather."""
+    from tpu_runtime.plan import count_ops
+
+    piece = ("  %all-gather.{n} = bf16[1,15,17776,64]{{3,2,1,0}} all-gather(%param_0.{n}), channel_id=13, "
+             "replica_groups=[4,2]<=[2,2,2]T(0,2,1), dimensions={{2}}, frontend_attributes={{chain_id=\"0\"}}")
+    v5e = "\n".join([piece.format(n=n) for n in (16, 18, 20, 22)] + [
+        "  %all-gather.23 = bf16[1,17776,15,64]{3,1,2,0} all-gather(%copy-done.6), channel_id=14, dimensions={1}",
+        "  %all-reduce-start.1 = bf16[2,64] all-reduce-start(%fusion.9), channel_id=15, to_apply=%add",
+        "  %all-reduce-done.1 = bf16[2,64] all-reduce-done(%all-reduce-start.1)",
+        "  %all-reduce.2 = f32[8] all-reduce(%x), channel_id=16, to_apply=%add",
+        '  %custom-call.3 = bf16[1] custom-call(%y), custom_call_target="tpu_custom_call"',
+    ])
+    v6e = "\n".join([piece.format(n=16)] + v5e.splitlines()[4:])
+    for hlo in (v5e, v6e):
+        counts = count_ops(hlo)
+        assert (counts["all_gathers"], counts["all_reduces"], counts["mosaic_kernels"]) == (2, 2, 1), counts
+
+
 def test_fsdp_gathers_weights_before_use():
     """The collectives check above can fail: with FSDP the weights are split over dp and gathered."""
     report = plan(ModelSource("cogvideox-5b"), V6E_8, height=480, width=720, frames=49, mesh="dp=2,sp=1,tp=4",
