@@ -3,8 +3,7 @@ Works for CogVideoX and Wan folders alike.
 
 usage: python mesh_worker.py MODEL_DIR OUT_NPZ HEIGHT WIDTH MESH [MESH ...]
 A MESH may end in ":width" (split the VAE decode along the frame width), ":fsdp" (split every weight matrix over
-dp as well) and/or ":frames" (Wan: the VAE decode one latent frame per call), e.g.
-"dp=2,sp=1,tp=4:fsdp".
+dp as well), e.g. "dp=2,sp=1,tp=4:fsdp".
 """
 
 import json
@@ -26,8 +25,6 @@ for mesh in meshes:
     cls = WanFamily if is_wan_folder(model) else CogVideoXFamily
     family = cls(model, dtype="float32", mesh=spec, fsdp="fsdp" in options,
                  vae_sharding="width" if "width" in options else "replicated")
-    if "frames" in options:
-        family.decode_loop = "frames"
     emb = family.encode("a panda playing a guitar", "blurry, low quality")
     settings = SampleSettings(height, width, 9, steps=2, guidance=6.0, seed=4)
     latents = family.sample(emb, settings)

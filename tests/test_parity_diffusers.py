@@ -53,15 +53,15 @@ def test_seed_changes_video(tiny_models, tmp_path):
     assert np.abs(outs[0] - outs[1]).max() > 0.01
 
 
-@pytest.mark.parametrize("group_norm", ["stock", "jnp_var"])
-def test_decode_options_match_diffusers(tiny_models, tmp_path, group_norm):
-    """Both GroupNorm lowerings, and spatial tiling, decode like diffusers (tiling against diffusers' tiling)."""
+@pytest.mark.parametrize("group_norm, tiling", [("stock", False), ("stock", True), ("jnp_var", False)])
+def test_decode_options_match_diffusers(tiny_models, tmp_path, group_norm, tiling):
+    """Both GroupNorm lowerings, and spatial tiling, decode like diffusers (tiling against diffusers' tiling). The
+    tiled decode is the slowest compile of this file (about 30 s here); its GroupNorm is the one the untiled
+    decode checks, so tiling runs with the stock lowering only."""
     height, width, frames = 64, 96, 9
-    for tiling in (False, True):
-        out = tmp_path / f"tiling_{tiling}"
-        generate(GenerateRequest(model=str(tiny_models["2b"]), output_dir=str(out), prompt=PROMPT, height=height,
-                                 width=width, frames=frames, steps=2, seed=5, dtype="float32", vae_tiling=tiling,
-                                 group_norm=group_norm))
-        ours = stage_files.load_frames(out).numpy()
-        ref = diffusers_frames(tiny_models["2b"], PROMPT, "", height, width, frames, 2, 6.0, 5, tiling=tiling)
-        assert np.abs(ours - ref).max() < TOL, f"tiling={tiling}"
+    generate(GenerateRequest(model=str(tiny_models["2b"]), output_dir=str(tmp_path), prompt=PROMPT, height=height,
+                             width=width, frames=frames, steps=2, seed=5, dtype="float32", vae_tiling=tiling,
+                             group_norm=group_norm))
+    ours = stage_files.load_frames(tmp_path).numpy()
+    ref = diffusers_frames(tiny_models["2b"], PROMPT, "", height, width, frames, 2, 6.0, 5, tiling=tiling)
+    assert np.abs(ours - ref).max() < TOL

@@ -50,11 +50,13 @@ def test_the_mesh_decides_the_platform(v6e_mesh):
     assert target_platform(None) == "cpu"
 
 
-@pytest.mark.parametrize("config", [AttentionConfig(), AttentionConfig(impl="splash"),
-                                    AttentionConfig(impl="splash", exp2=True)], ids=["auto", "splash", "exp2"])
-def test_attention_for_a_tpu_mesh_lowers_the_mosaic_kernel(v6e_mesh, config):
-    """auto means splash on a TPU mesh, and splash/exp2 compile as TPU kernels, not in Pallas interpret mode."""
-    text = _compile_sdpa(v6e_mesh, config).as_text()
+@pytest.mark.parametrize("config, tokens", [(AttentionConfig(), 2048), (AttentionConfig(impl="splash"), 17_776),
+                                            (AttentionConfig(impl="splash", exp2=True), 17_776)],
+                         ids=["auto", "splash", "exp2"])
+def test_attention_for_a_tpu_mesh_lowers_the_mosaic_kernel(v6e_mesh, config, tokens):
+    """auto means splash on a TPU mesh, and splash/exp2 compile as TPU kernels, not in Pallas interpret mode, at
+    a real video length (auto at a short one: which kernel it picks does not depend on the length)."""
+    text = _compile_sdpa(v6e_mesh, config, tokens=tokens).as_text()
     assert MOSAIC in text, "the attention fell back to a non-kernel path on a TPU mesh"
 
 
