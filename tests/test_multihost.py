@@ -193,6 +193,41 @@ def test_a_worker_that_never_joins_is_named_and_the_first_process_lives_on(tmp_p
     assert time.monotonic() - start < 120
 
 
+class _Store:
+    """The coordination service's key-value calls the slice makes, in memory."""
+
+    def __init__(self):
+        self.values = {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.values[key] = value
+
+    def key_value_try_get(self, key):
+        return self.values[key]
+
+
+@pytest.mark.parametrize("process_id, broken", [(0, None), (0, "worker 1 stopped"), (1, None)],
+                         ids=["first", "first-after-a-worker-died", "worker"])
+def test_closing_the_slice_stops_the_heartbeat_on_every_process(process_id, broken):
+    """At exit the heartbeat thread must end: left running into the interpreter's shutdown inside the store's
+    client it aborted the first process after a worker was killed (exit -6, "FATAL: exception not rethrown"), once
+    in a full test run. Only a healthy slice's first process sends the workers a shutdown."""
+    from tpu_runtime.multihost import PREFIX, Slice
+
+    store = _Store()
+    slice_ = Slice(store, process_id, 2, worker_timeout=5, heartbeat_timeout=5)
+    slice_.start_heartbeat()
+    deadline = time.monotonic() + 5
+    while f"{PREFIX}alive/{process_id}" not in store.values and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert slice_._heartbeat.is_alive()
+    slice_.broken = broken
+    slice_.close()
+    assert not slice_._heartbeat.is_alive()
+    shutdown = any(k.startswith(f"{PREFIX}call/") for k in store.values)
+    assert shutdown == (process_id == 0 and broken is None)
+
+
 def test_a_different_file_on_a_worker_is_named(tmp_path):
     f = tmp_path / "model.safetensors"
     f.write_bytes(b"x" * 1000)

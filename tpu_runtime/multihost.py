@@ -293,6 +293,7 @@ class Slice:
         self._known: OrderedDict[int, None] = OrderedDict()
         self._models: dict[int, int] = {}  # id(family) -> model id
         self._closed = False
+        self._heartbeat: threading.Thread | None = None
 
     @property
     def is_driver(self) -> bool:
@@ -331,7 +332,8 @@ class Slice:
                     return
                 time.sleep(0.5)
 
-        threading.Thread(target=beat, name="tpu-video-heartbeat", daemon=True).start()
+        self._heartbeat = threading.Thread(target=beat, name="tpu-video-heartbeat", daemon=True)
+        self._heartbeat.start()
 
     def dead(self, ids=None) -> list[int]:
         """Process ids (of ``ids``, default every other process) gone: silent for ``heartbeat_timeout`` seconds,
@@ -501,12 +503,18 @@ class Slice:
         self._models[id(family)] = n
 
     def close(self) -> None:
-        """Tell the workers to stop (the first process, at exit)."""
-        if self._closed or not self.is_driver or self.broken:
+        """At exit: the first process tells the workers to stop (unless one is already gone), then every process
+        stops its heartbeat. A daemon thread caught inside the store's C++ client while the interpreter shuts
+        down aborts the process ("FATAL: exception not rethrown", seen after a worker was killed), so the
+        heartbeat ends and is joined here, before that."""
+        if self._closed:
             return
         self._closed = True
-        with self._lock:
-            self._set(f"call/{self._next}", json.dumps({"op": "shutdown", "n": self._next}))
+        if self.is_driver and not self.broken:
+            with self._lock:
+                self._set(f"call/{self._next}", json.dumps({"op": "shutdown", "n": self._next}))
+        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
+            self._heartbeat.join(timeout=5)
 
 
 class _StepGate:

@@ -148,10 +148,10 @@ class Runtime:
             self.backend, len(self.devices), self.devices[0].device_kind,
             f" in {self.slice.processes} processes" if self.slice else "", self.cache_dir,
         )
-        if self.slice is not None and self.slice.is_driver:
+        if self.slice is not None:
             import atexit
 
-            atexit.register(self.slice.close)
+            atexit.register(self.slice.close)  # after jax.distributed's own exit handler was registered: runs first
 
     # --- devices and placement -------------------------------------------------------------------------------
     def make_mesh(self, spec: "MeshSpec", devices=None):
