@@ -211,6 +211,30 @@ def test_two_experts_on_a_slice_too_small_are_told_fsdp_fits():
     assert estimate * GIB < 32 * GIB and estimate * GIB < resident * 0.6 + activations
 
 
+def test_a_decode_that_fits_alone_but_not_beside_the_weights_is_told_to_split():
+    """The Wan VAE's later-frame decode at 720x1280 compiled for v6e-8 (17.74 GiB per chip replicated, of it 0.24
+    weights) fits a chip alone, but not beside Wan 2.2 A14B's resident weights: the decode, not the weights, is
+    what to change, so the advice is the width split and nothing about FSDP or a larger slice."""
+    from tpu_runtime.plan import MeshReport, StageReport, open_abstract, suggestions
+
+    source = ModelSource("wan2.2-t2v-a14b")
+    family = open_abstract(source, parse_topology(V6E_8).devices(), _tmp(), mesh="dp=2,sp=1,tp=4")
+    names = ("text_encoder", "transformer", "transformer_2", "vae")
+    for name in names:
+        family._component(name)
+    resident = sum(_param_bytes_per_chip(family, n) for n in names)
+    step = _param_bytes_per_chip(family, "transformer")
+    vae = _param_bytes_per_chip(family, "vae")
+    stages = {"sample": StageReport(compiled=True, weights_bytes_per_chip=step,
+                                    total_bytes_per_chip=step + int(3.9 * GIB)),
+              "decode_frame": StageReport(compiled=True, weights_bytes_per_chip=vae,
+                                          total_bytes_per_chip=vae + int(17.5 * GIB))}
+    report = MeshReport("dp=2,sp=1,tp=4", False, resident, resident + int(17.5 * GIB), stages)
+    assert stages["decode_frame"].total_bytes_per_chip < 32 * GIB < report.peak_bytes_per_chip
+    advice = suggestions(source, family, report, parse_topology(V6E_8), None, ("sample", "decode"))
+    assert advice == ["--vae-sharding width: splits the decode's activations over every chip"], advice
+
+
 def test_vae_decode_compiles_for_v6e8_full_width():
     """The real Wan 2.1 VAE (every channel width), its decode split over the frame width of 8 chips, frame by
     frame as on TPU: of the two programs plan compiles, the one every latent frame after the first two runs (the

@@ -432,12 +432,19 @@ def suggestions(source: ModelSource, family, report: MeshReport, topo: Topology,
                    f"{max(a.block_kv_compute, a.block_kv // 2 // a.block_kv_compute * a.block_kv_compute)} (an "
                    "attention kernel ran out of the chip core's scoped VMEM)")
     decodes = [r for name, r in report.stages.items() if name.startswith("decode")]
-    decode_short = any(_out_of_hbm(r) or r.total_bytes_per_chip > hbm for r in decodes)
+    others = [r for name, r in report.stages.items() if not name.startswith("decode")]
+
+    def extra(stages) -> int:
+        return max((max(0, r.total_bytes_per_chip - r.weights_bytes_per_chip) for r in stages), default=0)
+
+    # The decode is short of memory alone, or beside the resident weights when it is the largest stage (the
+    # Wan VAE at 720x1280 beside A14B's two experts).
+    decode_short = any(_out_of_hbm(r) or r.total_bytes_per_chip > hbm for r in decodes) or (
+        extra(decodes) > extra(others) and report.resident_weights_bytes_per_chip + extra(decodes) > hbm)
     if decode_short and family.vae_sharding == "replicated" and family.mesh_spec.devices > 1:
         out.append("--vae-sharding width: splits the decode's activations over every chip")
-    others = [r for name, r in report.stages.items() if not name.startswith("decode")]
     if decode_short and all(r.compiled and r.total_bytes_per_chip <= hbm for r in others) \
-            and report.resident_weights_bytes_per_chip + activations <= hbm:
+            and report.resident_weights_bytes_per_chip + extra(others) <= hbm:
         return out  # only the decode is short of memory: the weights' options below would not help
 
     def weights_for(mesh_spec: MeshSpec, fsdp: bool, devices) -> int:
