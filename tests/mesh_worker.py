@@ -2,8 +2,8 @@
 Works for CogVideoX and Wan folders alike.
 
 usage: python mesh_worker.py MODEL_DIR OUT_NPZ HEIGHT WIDTH MESH [MESH ...]
-A MESH may end in ":width" (split the VAE decode along the frame width), ":fsdp" (split every weight matrix over
-dp as well), e.g. "dp=2,sp=1,tp=4:fsdp".
+A MESH may end in ":width" or ":replicated" (the VAE decode's layout; default auto, which is width on these 8
+devices), ":fsdp" (split every weight matrix over dp as well), e.g. "dp=2,sp=1,tp=4:fsdp".
 """
 
 import json
@@ -24,7 +24,7 @@ for mesh in meshes:
     spec, *options = mesh.split(":")
     cls = WanFamily if is_wan_folder(model) else CogVideoXFamily
     family = cls(model, dtype="float32", mesh=spec, fsdp="fsdp" in options,
-                 vae_sharding="width" if "width" in options else "replicated")
+                 vae_sharding=next((o for o in options if o in ("width", "replicated")), "auto"))
     emb = family.encode("a panda playing a guitar", "blurry, low quality")
     settings = SampleSettings(height, width, 9, steps=2, guidance=6.0, seed=4)
     latents = family.sample(emb, settings)
@@ -33,6 +33,9 @@ for mesh in meshes:
     family.sample(family.encode("another prompt"), SampleSettings(height, width, 9, steps=3, guidance=5.0, seed=8))
     hlo = family.timings.programs["sample"].executable.as_text()
     report[mesh] = {
+        "vae_sharding": family.vae_sharding,
+        "decode_split_axes": [list(a) if isinstance(a, tuple) else a
+                              for a in family._vae_input_spec(tuple(latents.latents.shape))],
         "sample_compiles": family.timings.compiles["sample"],
         "recompiles_second_run": compile_stats().since(before).backend_compiles,
         "collectives": {op: len(re.findall(rf"= [^\n]*\b{op}(?:-start)?\(", hlo))

@@ -1,4 +1,5 @@
-"""On 8 simulated CPU devices, every mesh gives the single-device frames (with FSDP and a width-split VAE too);
+"""On 8 simulated CPU devices, every mesh gives the single-device frames (with FSDP, and the VAE decode split over
+the frame width, the default on more than one device, or replicated);
 invalid meshes fail before compiling; the compiled step holds the expected collectives and gathers no sharded
 weight; one compile per shape and mesh."""
 
@@ -15,11 +16,11 @@ from tpu_runtime.cogvideox import CogVideoXFamily
 from tpu_runtime.family import SampleSettings
 from tpu_runtime.errors import InputError
 from tpu_runtime.runtime import compile_stats
-from tpu_runtime.sharding import MeshSpec, default_mesh, parse_mesh
+from tpu_runtime.sharding import MeshSpec, default_mesh, parse_mesh, width_split_axes
 from tpu_runtime.tiny import TinySpec, build_tiny_cogvideox
 
 MESHES = ["dp=1,sp=1,tp=8", "dp=2,sp=1,tp=4", "dp=1,sp=2,tp=4", "dp=2,sp=2,tp=2"]
-WIDTH_SPLIT_VAE = "dp=2,sp=1,tp=4:width"  # the VAE decode split over the frame width, as seeds 000/001 do
+REPLICATED_VAE = "dp=2,sp=1,tp=4:replicated"  # every device decodes the whole video (the others: split on width)
 FSDP = "dp=2,sp=1,tp=4:fsdp"  # every matrix split over dp too (tp's matrices on their other dimension)
 
 
@@ -49,14 +50,20 @@ def _single_device_frames(model, height, width):
 
 def test_meshes_match_single_device(eight_head_model, tmp_path):
     single = _single_device_frames(eight_head_model, 64, 128)
-    frames, report = _worker(eight_head_model, tmp_path, 64, 128, MESHES + [WIDTH_SPLIT_VAE, FSDP])
-    for mesh in MESHES + [WIDTH_SPLIT_VAE, FSDP]:
+    frames, report = _worker(eight_head_model, tmp_path, 64, 128, MESHES + [REPLICATED_VAE, FSDP])
+    for mesh in MESHES + [REPLICATED_VAE, FSDP]:
         got = frames[mesh.replace(",", "_").replace("=", "").replace(":", "_")]
         assert np.abs(got - single).max() < 1e-4, mesh
         r = report[mesh]
-        # One sampler compile per mesh (the width-split VAE run reuses its mesh's sampler), none for a new
+        # The default decode splits the 16 latent columns over all 8 devices (every axis larger than 1).
+        if mesh == REPLICATED_VAE:
+            assert r["vae_sharding"] == "replicated" and r["decode_split_axes"] == [], r
+        else:
+            axes = [a for a in ("dp", "sp", "tp") if f"{a}=1" not in mesh]
+            assert r["vae_sharding"] == "width" and r["decode_split_axes"][-1] == axes, (mesh, r)
+        # One sampler compile per mesh (the replicated-VAE run reuses its mesh's sampler), none for a new
         # seed, prompt and step count.
-        assert r["sample_compiles"] == (0 if mesh == WIDTH_SPLIT_VAE else 1), (mesh, r)
+        assert r["sample_compiles"] == (0 if mesh == REPLICATED_VAE else 1), (mesh, r)
         assert r["recompiles_second_run"] == 0, (mesh, r)
         # Gathers of activations are expected with sp (k/v along the sequence); a gathered weight would not be,
         # except under FSDP, whose weights are gathered before use by design.
@@ -76,9 +83,14 @@ def test_meshes_match_single_device(eight_head_model, tmp_path):
 
 def test_sequence_not_divisible_by_sp_is_padded(eight_head_model, tmp_path):
     # 64x80: 16 text + 3*4*5 video tokens = 76, not a multiple of sp=8 (nor 3 latent frames of 20 patches).
+    # Its 10 latent columns split over dp alone on dp=2,tp=4 (2 divides 10, 8 and 4 do not), and over no axis of
+    # dp=1,sp=8,tp=1: the decode is then replicated (with a warning), and both equal the single device.
     single = _single_device_frames(eight_head_model, 64, 80)
-    frames, _ = _worker(eight_head_model, tmp_path, 64, 80, ["dp=1,sp=8,tp=1"])
+    frames, report = _worker(eight_head_model, tmp_path, 64, 80, ["dp=1,sp=8,tp=1", "dp=2,sp=1,tp=4"])
     assert np.abs(frames["dp1_sp8_tp1"] - single).max() < 1e-4
+    assert np.abs(frames["dp2_sp1_tp4"] - single).max() < 1e-4
+    assert report["dp=2,sp=1,tp=4"]["decode_split_axes"][-1] == ["dp"], report
+    assert report["dp=1,sp=8,tp=1"]["decode_split_axes"] == [], report
 
 
 def test_invalid_meshes_fail_before_compiling(tiny_models, runtime):
@@ -129,7 +141,7 @@ def test_wan_meshes_match_single_device(four_head_wan, tmp_path):
     family = WanFamily(four_head_wan, dtype="float32")
     emb = family.encode("a panda playing a guitar", "blurry, low quality")
     single = family.decode(family.sample(emb, SampleSettings(64, 128, 9, steps=2, guidance=6.0, seed=4))).numpy()
-    meshes = ["dp=2,sp=1,tp=4", "dp=1,sp=2,tp=4", "dp=2,sp=2,tp=2", FSDP, WIDTH_SPLIT_VAE]  # Wan decodes by frame
+    meshes = ["dp=2,sp=1,tp=4", "dp=1,sp=2,tp=4", "dp=2,sp=2,tp=2", FSDP, REPLICATED_VAE]  # Wan decodes by frame
     frames, report = _worker(four_head_wan, tmp_path, 64, 128, meshes)
     for mesh in meshes:
         got = frames[mesh.replace(",", "_").replace("=", "").replace(":", "_")]
@@ -144,6 +156,16 @@ def test_wan_meshes_match_single_device(four_head_wan, tmp_path):
         else:
             assert r["weights_split_on_dp"] > 0, "FSDP placed no weight on dp"
         assert r["collectives"]["all-reduce"] >= 3, (mesh, r)  # attn1, attn2 and ffn outputs are row-parallel
+
+
+def test_width_split_takes_the_most_devices_that_divide_the_width():
+    v6e8 = {"dp": 2, "sp": 1, "tp": 4}
+    assert width_split_axes(v6e8, 160) == ("dp", "tp")  # Wan at 1280 wide: every chip
+    assert width_split_axes(v6e8, 90) == ("dp",)  # CogVideoX at 720: 90 columns, 8 and 4 do not divide
+    assert width_split_axes(v6e8, 52) == ("tp",)  # 416 wide: 4 divides, 8 does not
+    assert width_split_axes(v6e8, 45) == ()
+    assert width_split_axes({"dp": 2, "sp": 2, "tp": 2}, 12) == ("dp", "sp")  # 4 of the 8 devices
+    assert width_split_axes({"dp": 1, "sp": 1, "tp": 1}, 16) == ()
 
 
 def test_default_mesh():

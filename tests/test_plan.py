@@ -160,6 +160,16 @@ def test_fsdp_gathers_weights_before_use():
     assert report.stages["sample"].compiled and report.stages["sample"].all_gathers > 0
 
 
+def test_fsdp_candidates_all_have_dp():
+    """FSDP splits over dp, and a mesh without dp is refused with fsdp: plan tries only meshes with dp then."""
+    from tpu_runtime.plan import candidate_meshes
+    from tpu_runtime.sharding import MeshSpec
+
+    assert any(m.dp == 1 for m in candidate_meshes(8, 40, True))
+    fsdp = candidate_meshes(8, 40, True, fsdp=True)
+    assert fsdp[0] == MeshSpec(2, 1, 4) and len(fsdp) > 1 and all(m.dp == 2 for m in fsdp), fsdp
+
+
 def test_fsdp_splits_every_transformer_matrix_over_every_chip():
     """FSDP adds dp to each matrix on a dimension tp leaves whole, keeping tp's split: Wan 14B's transformer on
     v6e-4 (dp=2, tp=2) then holds about a quarter of its bytes per chip, not half."""
@@ -185,6 +195,10 @@ def test_fsdp_splits_every_transformer_matrix_over_every_chip():
     # The blocks' matrices are split 4 ways; the embedders outside them (about 2% of the bytes, no tp rule) 2 ways.
     assert total / 4 <= per_chip < total / 4 * 1.03
     assert _param_bytes_per_chip(plain, "transformer") > total / 2 * 0.97
+    # The VAE is left whole: FSDP's saving there would be a fraction of 0.25 GiB, and its weights split over dp
+    # with the frames split over the width gave wrong Wan frames on a CPU mesh.
+    fsdp._component("vae")
+    assert not any("dp" in str(s.sharding.spec) for s in fsdp._states["vae"].values())
 
 
 def test_two_experts_on_a_slice_too_small_are_told_fsdp_fits():
@@ -218,7 +232,8 @@ def test_a_decode_that_fits_alone_but_not_beside_the_weights_is_told_to_split():
     from tpu_runtime.plan import MeshReport, StageReport, open_abstract, suggestions
 
     source = ModelSource("wan2.2-t2v-a14b")
-    family = open_abstract(source, parse_topology(V6E_8).devices(), _tmp(), mesh="dp=2,sp=1,tp=4")
+    family = open_abstract(source, parse_topology(V6E_8).devices(), _tmp(), mesh="dp=2,sp=1,tp=4",
+                           vae_sharding="replicated")
     names = ("text_encoder", "transformer", "transformer_2", "vae")
     for name in names:
         family._component(name)
@@ -233,6 +248,25 @@ def test_a_decode_that_fits_alone_but_not_beside_the_weights_is_told_to_split():
     assert stages["decode_frame"].total_bytes_per_chip < 32 * GIB < report.peak_bytes_per_chip
     advice = suggestions(source, family, report, parse_topology(V6E_8), None, ("sample", "decode"))
     assert advice == ["--vae-sharding width: splits the decode's activations over every chip"], advice
+
+
+def test_the_decode_splits_over_the_width_by_default_on_a_slice_not_on_one_chip():
+    """auto (the default of plan, generate and the loaders): the width split wherever there is more than one
+    chip, so the 720p Wan decode that does not fit replicated beside A14B's experts on a v6e-8 is split unasked."""
+    from tpu_runtime.plan import open_abstract
+
+    source = ModelSource("wan2.2-t2v-a14b")
+    slice_ = open_abstract(source, parse_topology(V6E_8).devices(), _tmp())
+    assert slice_.vae_sharding == "width"
+    latents = (1, 16, 21, 90, 160)  # 1280x720x81
+    assert slice_._vae_input_spec(latents) == (None, None, None, None, ("dp", "tp"))
+    slice_._component("vae")
+    first = slice_.decode_programs(latents)[0]  # the program the decode starts with takes the split latents
+    assert tuple(first.example[1].sharding.spec)[-1] == ("dp", "tp"), first.example[1].sharding
+    chip = open_abstract(source, parse_topology("v6e-1").devices(), _tmp())
+    assert chip.vae_sharding == "replicated" and chip._vae_input_spec(latents) == ()
+    asked = open_abstract(source, parse_topology(V6E_8).devices(), _tmp(), vae_sharding="replicated")
+    assert asked.vae_sharding == "replicated" and asked._vae_input_spec(latents) == ()
 
 
 def test_vae_decode_compiles_for_v6e8_full_width():

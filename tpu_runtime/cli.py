@@ -84,8 +84,9 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool = False) -> None:
     p.add_argument("--exp2", action="store_true", help="splash in base-2 form (exp2 kernel)")
     p.add_argument("--fsdp", action="store_true", help="also split every weight matrix over dp (less memory per "
                    "chip; each layer's weights are gathered before use)")
-    p.add_argument("--vae-sharding", choices=["replicated", "width"], default="replicated",
-                   help="width: split the VAE decode over devices along the frame width")
+    p.add_argument("--vae-sharding", choices=["auto", "width", "replicated"], default="auto",
+                   help="width: split the VAE decode over the devices along the frame width; replicated: every "
+                   "device decodes the whole video; auto: width on more than one device")
     p.add_argument("--output-dir", required=True)
     p.add_argument("-v", "--verbose", action="store_true")
 

@@ -160,7 +160,7 @@ class CogVideoXFamily(ModelFamily):
 
     def __init__(self, path: str | Path, dtype: str = "auto", runtime: Runtime | None = None,
                  mesh: "str | dict | MeshSpec | None" = None, attention: "AttentionConfig | str | None" = None,
-                 fsdp: bool = False, vae_sharding: str = "replicated", target_devices=None):
+                 fsdp: bool = False, vae_sharding: str = "auto", target_devices=None):
         self.path = resolve_model_path(path)
         self.index = inspect_model_folder(self.path, weights=target_devices is None)
         self.transformer_config = json.loads((self.path / "transformer" / "config.json").read_text())

@@ -37,12 +37,14 @@ from .errors import InputError, Interrupted, StageFileError
 from .lora import LoraMerger, LoraSpec, name_aliases, read_lora
 from .multihost import REPLAYED, replayed_init, replayed_method
 from .runtime import Runtime, compile_stats, get_runtime
-from .sharding import MeshSpec, default_mesh, parse_mesh, validate_mesh
+from .sharding import MeshSpec, default_mesh, parse_mesh, validate_mesh, width_split_axes
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-VAE_SHARDINGS = ("replicated", "width")  # width: split the decode's frame width over all devices (seeds 000/001)
+# width: split the decode's frame width over the devices (seeds 000/001); auto: width on a mesh of more than one
+# device (each chip then holds and computes a slice of every frame instead of the whole video), else replicated.
+VAE_SHARDINGS = ("auto", "replicated", "width")
 
 
 # --- values passed between stages ----------------------------------------------------------------------------
@@ -233,14 +235,13 @@ class ModelFamily:
                 setattr(cls, name, replayed_method(method))
 
     def _setup(self, dtype: str, runtime: Runtime | None, mesh, attention, fsdp: bool, heads: int,
-               vae_sharding: str = "replicated", target_devices=None) -> None:
+               vae_sharding: str = "auto", target_devices=None) -> None:
         """dtype, mesh and attention for ``heads`` attention heads; call once the model's configs are read.
 
         ``target_devices``: the devices of a topology to compile for without running (``plan``); the model is then
         abstract: components are built on ``meta`` and placed as shape structs, nothing is read or run."""
         if vae_sharding not in VAE_SHARDINGS:
             raise InputError(f"vae_sharding must be one of {VAE_SHARDINGS}, got {vae_sharding!r}")
-        self.vae_sharding = vae_sharding
         self.runtime = runtime or get_runtime()
         self.abstract = target_devices is not None
         self.devices = list(target_devices) if self.abstract else list(self.runtime.devices)
@@ -259,6 +260,13 @@ class ModelFamily:
             attention = AttentionConfig(impl=attention or "auto")
         self.attention = attention.resolve(target_platform(self.mesh))
         self.fsdp = bool(fsdp)
+        if self.fsdp and self.mesh_spec.dp == 1:
+            raise InputError(f"fsdp splits the weights over the mesh's dp axis, and mesh {self.mesh_spec} has dp=1: "
+                             "turn fsdp off, or give a mesh with dp=2 (CFG's batch) or more")
+        # The decode's layout, resolved once: "auto" is the width split wherever there is more than one device.
+        self.vae_sharding = ("width" if self.mesh_spec.devices > 1 else "replicated") if vae_sharding == "auto" \
+            else vae_sharding
+        self._unsplit_widths: set[int] = set()
         self.timings = StageTimings()
         self._parts: dict[str, object] = {}
         self._states: dict[str, dict] = {}
@@ -277,6 +285,15 @@ class ModelFamily:
         """The sharding rule table for component ``name``."""
         return ()
 
+    # FSDP splits the transformers' and encoders' weights, never the VAE's: its weights are small (0.25 GiB for
+    # Wan's) against its activations, gathering them would cost every convolution of every frame, and with them
+    # split over dp and the frames over the width the Wan decode on an 8-device CPU mesh gave wrong frames (0.13
+    # off; each split alone is exact).
+    FSDP_SKIPS = ("vae",)
+
+    def _fsdp_for(self, name: str) -> bool:
+        return self.fsdp and name not in self.FSDP_SKIPS
+
     def _component(self, name: str):
         """Component ``name``, loaded once; torch modules are moved to the devices and their host copy freed.
         An abstract model builds the module on ``meta`` and keeps shape structs as its state."""
@@ -289,12 +306,14 @@ class ModelFamily:
             except KeyError:
                 raise RuntimeError(f"{self.label} is planned for devices this process cannot run on: it has no "
                                    f"{name} to use; compile its stage programs with plan") from None
-            self._states[name] = self.runtime.abstract_state(part, self.mesh, self._rules_for(name), self.fsdp)
+            self._states[name] = self.runtime.abstract_state(part, self.mesh, self._rules_for(name),
+                                                             self._fsdp_for(name))
         else:
             part = self._load_component(name)
         if isinstance(part, torch.nn.Module) and not self.abstract:
             part.requires_grad_(False)
-            self._states[name] = self.runtime.module_state(part, self.mesh, self._rules_for(name), fsdp=self.fsdp)
+            self._states[name] = self.runtime.module_state(part, self.mesh, self._rules_for(name),
+                                                           fsdp=self._fsdp_for(name))
             # The device copy is the one used from now on; free the host copy (real models are many GB).
             part.to("meta")
         self._parts[name] = part
@@ -490,13 +509,18 @@ class ModelFamily:
         self._record_run("sample", start)
 
     def _vae_input_spec(self, shape) -> tuple:
-        """``width``: latents [B, C, T, H, W] split on W over every mesh axis that divides it (XLA adds the conv
-        halos); otherwise replicated."""
+        """``width``: latents [B, C, T, H, W] split on W over the mesh axes whose devices divide it, as many as
+        can (all of them on a v6e-8 at 1280 wide; dp alone for CogVideoX's 720 = 90 latent columns on dp=2,tp=4;
+        XLA adds the conv halos); otherwise replicated."""
         if self.vae_sharding != "width":
             return ()
-        axes = tuple(a for a, n in self.mesh.shape.items() if n > 1)
-        devices = self.mesh_spec.devices
-        return (None, None, None, None, axes) if axes and shape[-1] % devices == 0 else ()
+        axes = width_split_axes(dict(self.mesh.shape), shape[-1])
+        if not axes and self.mesh_spec.devices > 1 and shape[-1] not in self._unsplit_widths:
+            self._unsplit_widths.add(shape[-1])
+            log.warning("vae_sharding width: no axis of mesh %s divides the latent width %d, so the decode is "
+                        "replicated; a latent width divisible by %d would split", self.mesh_spec, shape[-1],
+                        min(n for n in self.mesh.shape.values() if n > 1))
+        return (None,) * (len(shape) - 1) + (axes,) if axes else ()
 
     # --- what the CLI and the nodes ask of every family --------------------------------------------------------
     def native_size(self) -> tuple[int, int, int]:

@@ -50,7 +50,7 @@ class GenerateRequest:
     block_kv_compute: int = 256
     exp2: bool = False
     fsdp: bool = False
-    vae_sharding: str = "replicated"
+    vae_sharding: str = "auto"
     # Wan from ComfyUI's single files, in place of --model
     transformer: str | None = None
     transformer_2: str | None = None

@@ -294,7 +294,7 @@ class ModelSource:
 
 
 def open_abstract(source: ModelSource, devices, workdir: Path, *, mesh=None, dtype: str = "bfloat16",
-                  attention=None, fsdp: bool = False, vae_sharding: str = "replicated", layers: int | None = None):
+                  attention=None, fsdp: bool = False, vae_sharding: str = "auto", layers: int | None = None):
     """The model family of ``source`` opened for ``devices`` without reading any weight."""
     from .architectures import ARCHITECTURES, write_architecture
     from .cogvideox import CogVideoXFamily
@@ -327,10 +327,11 @@ def open_abstract(source: ModelSource, devices, workdir: Path, *, mesh=None, dty
     return family
 
 
-def candidate_meshes(chips: int, heads: int, cfg: bool) -> list[MeshSpec]:
-    """The default mesh first, then all-tp and (with CFG) the other dp/tp splits the heads allow."""
+def candidate_meshes(chips: int, heads: int, cfg: bool, fsdp: bool = False) -> list[MeshSpec]:
+    """The default mesh first, then all-tp and (with CFG) the other dp/tp splits the heads allow; with ``fsdp``
+    only meshes with dp (FSDP splits the weights over it)."""
     meshes = [default_mesh(chips, heads, cfg)]
-    for dp in ([2, 1] if cfg and chips % 2 == 0 else [1]):
+    for dp in ([2] if fsdp else [2, 1]) if cfg and chips % 2 == 0 else [1]:
         rest = chips // dp
         for tp in sorted((d for d in _divisors(rest) if heads % d == 0), reverse=True)[:2]:
             spec = MeshSpec(dp=dp, sp=rest // tp, tp=tp)
@@ -342,7 +343,7 @@ def candidate_meshes(chips: int, heads: int, cfg: bool) -> list[MeshSpec]:
 # --- the plan --------------------------------------------------------------------------------------------------
 def plan(source: ModelSource, topology: str | Topology, *, height: int | None = None, width: int | None = None,
          frames: int | None = None, guidance: float | None = None, steps: int = 50, mesh=None,
-         dtype: str = "bfloat16", attention=None, fsdp: bool = False, vae_sharding: str = "replicated",
+         dtype: str = "bfloat16", attention=None, fsdp: bool = False, vae_sharding: str = "auto",
          stages=STAGES, layers: int | None = None, max_candidates: int = 3) -> PlanReport:
     """Compile ``stages`` of one generation for ``topology`` and report per-chip memory and what fits.
 
@@ -369,7 +370,7 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
         if parse_mesh(mesh) is not None:
             meshes = [base.mesh_spec]
         else:
-            meshes = candidate_meshes(len(devices), base.heads, cfg)[:max_candidates]
+            meshes = candidate_meshes(len(devices), base.heads, cfg, fsdp)[:max_candidates]
         results = []
         with _no_persistent_cache():
             for spec in meshes:
@@ -383,7 +384,7 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
             model=source.label, topology=topo.name, chips=topo.chips, hosts=topo.hosts, chip_hbm_bytes=topo.hbm_bytes,
             height=settings.height, width=settings.width, frames=settings.num_frames, cfg=cfg, dtype=base.dtype_name,
             attention=base.attention.impl + (" (exp2)" if base.attention.exp2 else ""), fsdp=fsdp,
-            vae_sharding=vae_sharding, layers=layers, mesh=chosen.mesh, fits=chosen.fits,
+            vae_sharding=base.vae_sharding, layers=layers, mesh=chosen.mesh, fits=chosen.fits,
             peak_bytes_per_chip=chosen.peak_bytes_per_chip, stages=chosen.stages,
             resident_weights_bytes_per_chip=chosen.resident_weights_bytes_per_chip,
             candidates=[{"mesh": r.mesh, "fits": r.fits, "peak_bytes_per_chip": r.peak_bytes_per_chip}
@@ -449,7 +450,8 @@ def suggestions(source: ModelSource, family, report: MeshReport, topo: Topology,
 
     def weights_for(mesh_spec: MeshSpec, fsdp: bool, devices) -> int:
         mesh = runtime.make_mesh(mesh_spec, devices)
-        return sum(shard_bytes(runtime.abstract_state(family._parts[n], mesh, family._rules_for(n), fsdp))
+        return sum(shard_bytes(runtime.abstract_state(family._parts[n], mesh, family._rules_for(n),
+                                                      fsdp and n not in family.FSDP_SKIPS))
                    for n in names)
 
     if family.mesh_spec.dp > 1 and not family.fsdp:
@@ -554,7 +556,8 @@ def add_args(parser) -> None:
     parser.add_argument("--block-kv-compute", type=int, default=256)
     parser.add_argument("--exp2", action="store_true")
     parser.add_argument("--fsdp", action="store_true")
-    parser.add_argument("--vae-sharding", default="replicated", choices=["replicated", "width"])
+    parser.add_argument("--vae-sharding", default="auto", choices=["auto", "width", "replicated"],
+                        help="the decode's layout (auto: width on more than one chip)")
     parser.add_argument("--stages", default=",".join(STAGES), help="comma list of encode,image,sample,decode (image: image-to-video models)")
     parser.add_argument("--layers", type=int, help="compile the transformer with this many layers (a quick check; "
                         "reported as reduced depth)")

@@ -13,6 +13,8 @@ dimension tp leaves whole (memory for speed: each is gathered over dp before use
 
 from __future__ import annotations
 
+import itertools
+import math
 import re
 from dataclasses import dataclass
 
@@ -140,6 +142,19 @@ def spec_for(name: str, rules) -> tuple:
         if re.search(pattern, name):
             return spec
     return ()
+
+
+def width_split_axes(mesh_sizes: dict[str, int], width: int) -> tuple[str, ...]:
+    """The mesh axes to split a tensor's last dimension of ``width`` over: the combination of axes (in mesh order)
+    with the most devices whose product divides ``width``; () when none does."""
+    axes = [(a, n) for a, n in mesh_sizes.items() if n > 1]
+    best, most = (), 1
+    for r in range(len(axes), 0, -1):
+        for combo in itertools.combinations(axes, r):
+            n = math.prod(size for _, size in combo)
+            if width % n == 0 and n > most:
+                best, most = tuple(a for a, _ in combo), n
+    return best
 
 
 def fsdp_spec(shape: tuple[int, ...], dp: int, spec: tuple = ()) -> tuple:

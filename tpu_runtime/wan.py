@@ -167,7 +167,7 @@ class WanFamily(ModelFamily):
     def __init__(self, path: str | Path | None = None, *, files: WanFiles | None = None, dtype: str = "auto",
                  runtime: Runtime | None = None, mesh: "str | dict | MeshSpec | None" = None,
                  attention: "AttentionConfig | str | None" = None, fsdp: bool = False,
-                 vae_sharding: str = "replicated", target_devices=None):
+                 vae_sharding: str = "auto", target_devices=None):
         if (path is None) == (files is None):
             raise InputError("give either a Wan diffusers folder or the single files (transformer, text encoder, "
                              "VAE), not both")
