@@ -10,6 +10,7 @@ from __future__ import annotations
 from .common import (
     DEVICE_INPUTS,
     DTYPE_INPUT,
+    LAYOUT_INPUTS,
     ImageEncodeNode,
     LoraNode,
     TextEncodeNode,
@@ -29,14 +30,16 @@ IMAGE_TYPE = "TPU_COGVIDEOX_IMAGE"
 NO_MODELS = "(no CogVideoX folder found: see model_path)"
 
 
-def load_family(model_path: str, dtype: str, mesh: str = "auto", attention: str = "auto", cache_dir: str = ""):
+def load_family(model_path: str, dtype: str, mesh: str = "auto", attention: str = "auto", cache_dir: str = "",
+                vae_sharding: str = "auto", fsdp: bool = False):
     """Load (or reuse) a CogVideoX model; the same folder and settings share one copy of the weights on device."""
     from tpu_runtime.cogvideox import CogVideoXFamily, resolve_model_path
 
     folder, mesh = str(resolve_model_path(model_path.strip())), mesh.strip() or "auto"
-    return load_model(("cogvideox", folder, dtype, mesh, attention),
+    return load_model(("cogvideox", folder, dtype, mesh, attention, vae_sharding, bool(fsdp)),
                       lambda runtime: CogVideoXFamily(folder, dtype=dtype, runtime=runtime, mesh=mesh,
-                                                      attention=attention), cache_dir)
+                                                      attention=attention, vae_sharding=vae_sharding,
+                                                      fsdp=bool(fsdp)), cache_dir)
 
 
 class TPUCogVideoXLoader:
@@ -54,7 +57,7 @@ class TPUCogVideoXLoader:
                 "dtype": DTYPE_INPUT,
             },
             "optional": {"model_path": ("STRING", {"default": "", "tooltip": "a folder anywhere (overrides model)"}),
-                         **DEVICE_INPUTS},
+                         **DEVICE_INPUTS, **LAYOUT_INPUTS},
         }
 
     RETURN_TYPES = (MODEL_TYPE,)
@@ -64,11 +67,11 @@ class TPUCogVideoXLoader:
     DESCRIPTION = "Loads a CogVideoX text-to-video model (2b, 5b or 1.5) for the TPU/JAX runtime."
 
     def load(self, model: str, dtype: str, model_path: str = "", mesh: str = "auto", attention: str = "auto",
-             cache_dir: str = ""):
+             cache_dir: str = "", vae_sharding: str = "auto", fsdp: bool = False):
         from .model_folders import folder_path
 
         path = model_path.strip() or str(folder_path("cogvideox", model))
-        return (load_family(path, dtype, mesh, attention, cache_dir),)
+        return (load_family(path, dtype, mesh, attention, cache_dir, vae_sharding, fsdp),)
 
 
 class TPUCogVideoXTextEncode(TextEncodeNode):

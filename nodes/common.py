@@ -13,7 +13,7 @@ import threading
 
 log = logging.getLogger(__name__)
 
-_models: dict[tuple, object] = {}  # (family, source, dtype, mesh, attention) -> loaded family
+_models: dict[tuple, object] = {}  # (family, source, dtype, mesh, attention, layout) -> loaded family
 _models_lock = threading.Lock()
 
 DTYPE_INPUT = (["auto", "bfloat16", "float32"],
@@ -25,6 +25,15 @@ DEVICE_INPUTS = {
                   "tooltip": "auto: splash on TPU, cuDNN on GPU, blockwise on CPU"}),
     "cache_dir": ("STRING", {"default": "", "tooltip": "persistent XLA compilation cache; empty: "
                   "$TPU_VIDEO_CACHE_DIR or ~/.cache/tpu_video_nodes/xla_cache (one per process)"}),
+}
+# Placed after every other loader input, so that a workflow saved before they existed keeps its values in place.
+LAYOUT_INPUTS = {
+    "vae_sharding": (["auto", "width", "replicated"], {"default": "auto", "tooltip": "the VAE decode on a mesh: "
+                     "width splits every frame's width over the chips (each holds and computes a slice); "
+                     "replicated decodes the whole video on every chip; auto: width on more than one chip"}),
+    "fsdp": ("BOOLEAN", {"default": False, "tooltip": "also split every weight matrix over the mesh's dp axis "
+             "(gathered before use): less memory per chip for a large model on a small slice (Wan 2.2 A14B on a "
+             "v6e-4), more communication; needs dp of 2 or more"}),
 }
 
 

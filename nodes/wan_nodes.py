@@ -13,6 +13,7 @@ from .common import (
     DEVICE_INPUTS,
     DTYPE_INPUT,
     EXPERTS,
+    LAYOUT_INPUTS,
     ImageEncodeNode,
     LoraNode,
     TextEncodeNode,
@@ -32,8 +33,9 @@ NO_FILES = "(none found)"
 NONE = "none"
 
 
-def _device_kwargs(runtime, dtype, mesh, attention):
-    return dict(dtype=dtype, runtime=runtime, mesh=mesh.strip() or "auto", attention=attention)
+def _device_kwargs(dtype, mesh, attention, vae_sharding, fsdp):
+    return dict(dtype=dtype, mesh=mesh.strip() or "auto", attention=attention, vae_sharding=vae_sharding,
+                fsdp=bool(fsdp))
 
 
 class TPUWanLoader:
@@ -48,7 +50,7 @@ class TPUWanLoader:
             "required": {"model": (names, {"tooltip": "diffusers Wan folders (model_index.json) in models/diffusers"}),
                          "dtype": DTYPE_INPUT},
             "optional": {"model_path": ("STRING", {"default": "", "tooltip": "a folder anywhere (overrides model)"}),
-                         **DEVICE_INPUTS},
+                         **DEVICE_INPUTS, **LAYOUT_INPUTS},
         }
 
     RETURN_TYPES = (MODEL_TYPE,)
@@ -60,15 +62,15 @@ class TPUWanLoader:
                    "runtime.")
 
     def load(self, model: str, dtype: str, model_path: str = "", mesh: str = "auto", attention: str = "auto",
-             cache_dir: str = ""):
+             cache_dir: str = "", vae_sharding: str = "auto", fsdp: bool = False):
         from tpu_runtime.wan import WanFamily
 
         from .model_folders import folder_path
 
         folder = str(Path(model_path.strip() or folder_path("wan", model)).expanduser())
-        key = ("wan", folder, dtype, mesh.strip() or "auto", attention)
-        return (load_model(key, lambda rt: WanFamily(folder, **_device_kwargs(rt, dtype, mesh, attention)),
-                           cache_dir),)
+        key = ("wan", folder, dtype, mesh.strip() or "auto", attention, vae_sharding, bool(fsdp))
+        device = _device_kwargs(dtype, mesh, attention, vae_sharding, fsdp)
+        return (load_model(key, lambda rt: WanFamily(folder, runtime=rt, **device), cache_dir),)
 
 
 class TPUWanModelFilesLoader:
@@ -97,6 +99,7 @@ class TPUWanModelFilesLoader:
                 **DEVICE_INPUTS,
                 "clip_vision": (names("clip_vision", optional=True), {
                     "default": NONE, "tooltip": "Wan 2.1 I2V / FLF2V only: models/clip_vision/clip_vision_h"}),
+                **LAYOUT_INPUTS,
             },
         }
 
@@ -108,7 +111,8 @@ class TPUWanModelFilesLoader:
                    "the architecture is read from the weights.")
 
     def load(self, diffusion_model: str, text_encoder: str, vae: str, dtype: str, diffusion_model_2: str = NONE,
-             mesh: str = "auto", attention: str = "auto", cache_dir: str = "", clip_vision: str = NONE):
+             mesh: str = "auto", attention: str = "auto", cache_dir: str = "", clip_vision: str = NONE,
+             vae_sharding: str = "auto", fsdp: bool = False):
         from tpu_runtime.wan import WanFamily, WanFiles
 
         from .model_folders import file_path
@@ -121,9 +125,10 @@ class TPUWanModelFilesLoader:
                                                                                  diffusion_model_2),
             clip_vision=None if clip_vision in (NONE, "") else file_path("clip_vision", clip_vision),
         )
-        key = ("wan-files", tuple(str(p) for p in vars(files).values()), dtype, mesh.strip() or "auto", attention)
-        return (load_model(key, lambda rt: WanFamily(files=files, **_device_kwargs(rt, dtype, mesh, attention)),
-                           cache_dir),)
+        key = ("wan-files", tuple(str(p) for p in vars(files).values()), dtype, mesh.strip() or "auto", attention,
+               vae_sharding, bool(fsdp))
+        device = _device_kwargs(dtype, mesh, attention, vae_sharding, fsdp)
+        return (load_model(key, lambda rt: WanFamily(files=files, runtime=rt, **device), cache_dir),)
 
 
 class TPUWanTextEncode(TextEncodeNode):

@@ -401,3 +401,27 @@ def test_image_nodes_refuse_what_does_not_fit(pack, tiny_models, i2v_models, ima
     with pytest.raises(InputError, match="the image was encoded for 9 frames of 64x64"):
         m["TPUCogVideoXSampler"]().sample(i2v, embeds, width=64, height=64, frames=17, image_cond=cond, **sample)
 
+
+
+def test_loaders_choose_the_decode_layout_and_fsdp(pack, tiny_models, tiny_wan):
+    """Every loader ends with vae_sharding (auto: the width split on more than one chip) and fsdp: after every
+    older input, so a workflow saved before them keeps its values in place. Each choice is its own loaded model,
+    and FSDP on a mesh without dp is refused before anything loads."""
+    from tpu_runtime.errors import InputError
+
+    m = pack.NODE_CLASS_MAPPINGS
+    for name in ("TPUCogVideoXLoader", "TPUWanLoader", "TPUWanModelFilesLoader"):
+        optional = m[name].INPUT_TYPES()["optional"]
+        assert list(optional)[-2:] == ["vae_sharding", "fsdp"], name
+        assert optional["vae_sharding"][0] == ["auto", "width", "replicated"]
+        assert optional["vae_sharding"][1]["default"] == "auto"
+        assert optional["fsdp"][0] == "BOOLEAN" and optional["fsdp"][1]["default"] is False
+    loader = m["TPUCogVideoXLoader"]()
+    (auto,) = loader.load("", "float32", model_path=str(tiny_models["2b"]))
+    assert auto.vae_sharding == "replicated" and auto.fsdp is False  # one device here: nothing to split over
+    (width,) = loader.load("", "float32", model_path=str(tiny_models["2b"]), vae_sharding="width")
+    assert width is not auto and width.vae_sharding == "width"
+    (wan,) = m["TPUWanLoader"]().load("", "float32", model_path=str(tiny_wan["2.1"]), vae_sharding="replicated")
+    assert wan.vae_sharding == "replicated"
+    with pytest.raises(InputError, match="fsdp splits the weights over the mesh's dp axis, and mesh dp=1"):
+        m["TPUWanLoader"]().load("", "float32", model_path=str(tiny_wan["2.1"]), fsdp=True)
