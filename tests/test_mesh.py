@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import subprocess_env
+from mesh_worker import nine_latent_frames
 
 from tpu_runtime.cogvideox import CogVideoXFamily
-from tpu_runtime.family import SampleSettings
+from tpu_runtime.family import SampleSettings, VideoLatents
 from tpu_runtime.errors import InputError
 from tpu_runtime.runtime import compile_stats
 from tpu_runtime.sharding import MeshSpec, default_mesh, parse_mesh, width_split_axes
@@ -22,11 +23,16 @@ from tpu_runtime.tiny import TinySpec, build_tiny_cogvideox
 MESHES = ["dp=1,sp=1,tp=8", "dp=2,sp=1,tp=4", "dp=1,sp=2,tp=4", "dp=2,sp=2,tp=2"]
 REPLICATED_VAE = "dp=2,sp=1,tp=4:replicated"  # every device decodes the whole video (the others: split on width)
 FSDP = "dp=2,sp=1,tp=4:fsdp"  # every matrix split over dp too (tp's matrices on their other dimension)
+FSDP_DECODE9 = FSDP + ":decode9"  # and random latents of 9 latent frames decoded (CogVideoX's batch programs)
 
 
 @pytest.fixture(scope="module")
 def eight_head_model(tmp_path_factory):
     return build_tiny_cogvideox(tmp_path_factory.mktemp("heads8") / "m", "5b", spec=TinySpec("5b", heads=8))
+
+
+def _key(mesh: str) -> str:
+    return mesh.replace(",", "_").replace("=", "").replace(":", "_")
 
 
 def _worker(model, tmp_path, height, width, meshes):
@@ -50,9 +56,16 @@ def _single_device_frames(model, height, width):
 
 def test_meshes_match_single_device(eight_head_model, tmp_path):
     single = _single_device_frames(eight_head_model, 64, 128)
-    frames, report = _worker(eight_head_model, tmp_path, 64, 128, MESHES + [REPLICATED_VAE, FSDP])
-    for mesh in MESHES + [REPLICATED_VAE, FSDP]:
-        got = frames[mesh.replace(",", "_").replace("=", "").replace(":", "_")]
+    frames, report = _worker(eight_head_model, tmp_path, 64, 128, MESHES + [REPLICATED_VAE, FSDP_DECODE9])
+    # CogVideoX's batch-by-batch decode (the first two latent batches, then two calls of the later-batch program)
+    # split over the width of the 8 devices, against one device's.
+    family = CogVideoXFamily(eight_head_model, dtype="float32")
+    z = nine_latent_frames((1, family.vae_config["latent_channels"], 3, 8, 16))
+    assert [p.part for p in family.decode_programs(tuple(z.shape))] == ["start", "batch"]
+    alone = family.decode(VideoLatents(z, 64, 128, 33, family.signature)).numpy()
+    assert np.abs(frames[_key(FSDP_DECODE9 + ":decode9")] - alone).max() < 1e-4
+    for mesh in MESHES + [REPLICATED_VAE, FSDP_DECODE9]:
+        got = frames[_key(mesh)]
         assert np.abs(got - single).max() < 1e-4, mesh
         r = report[mesh]
         # The default decode splits the 16 latent columns over all 8 devices (every axis larger than 1).
@@ -69,7 +82,7 @@ def test_meshes_match_single_device(eight_head_model, tmp_path):
         # except under FSDP, whose weights are gathered before use by design.
         weight_shapes = {tuple(shape) for shape in r["weight_shapes"]}
         gathered_weights = [s for s in r["all_gather_shapes"] if tuple(s) in weight_shapes]
-        if mesh == FSDP:
+        if mesh == FSDP_DECODE9:
             assert r["weights_split_on_dp"] > 0, "FSDP placed no weight on dp"
             continue
         assert r["weights_split_on_dp"] == 0, mesh
@@ -144,7 +157,7 @@ def test_wan_meshes_match_single_device(four_head_wan, tmp_path):
     meshes = ["dp=2,sp=1,tp=4", "dp=1,sp=2,tp=4", "dp=2,sp=2,tp=2", FSDP, REPLICATED_VAE]  # Wan decodes by frame
     frames, report = _worker(four_head_wan, tmp_path, 64, 128, meshes)
     for mesh in meshes:
-        got = frames[mesh.replace(",", "_").replace("=", "").replace(":", "_")]
+        got = frames[_key(mesh)]
         assert np.abs(got - single).max() < 1e-4, mesh
         r = report[mesh]
         assert r["recompiles_second_run"] == 0, (mesh, r)
@@ -184,7 +197,7 @@ def test_default_mesh():
 _LORA_WORKER = """
 import json, sys
 import numpy as np
-from tpu_runtime.family import SampleSettings
+from tpu_runtime.family import SampleSettings, VideoLatents
 from tpu_runtime.lora import LoraSpec
 from tpu_runtime.wan import WanFamily
 

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 from conftest import NEGATIVE, PROMPT, SIZES
 from oracle import diffusers_frames
 
@@ -65,3 +66,37 @@ def test_decode_options_match_diffusers(tiny_models, tmp_path, group_norm, tilin
     ours = stage_files.load_frames(tmp_path).numpy()
     ref = diffusers_frames(tiny_models["2b"], PROMPT, "", height, width, frames, 2, 6.0, 5, tiling=tiling)
     assert np.abs(ours - ref).max() < TOL
+
+
+def test_decode_by_latent_batches_matches_diffusers(tiny_models):
+    """CogVideoX's default decode (the first two latent batches, then one call per later batch of two with the
+    causal caches kept on the devices) gives diffusers' ``vae.decode`` frames, with and without the odd latent
+    frame the first batch takes; two programs per size, whatever the frame count."""
+    from diffusers import AutoencoderKLCogVideoX
+
+    from tpu_runtime.cogvideox import CogVideoXFamily
+    from tpu_runtime.family import VideoLatents
+    from tpu_runtime.runtime import compile_stats
+
+    family = CogVideoXFamily(tiny_models["2b"], dtype="float32")
+    assert family.decode_loop == "batches"
+    vae = AutoencoderKLCogVideoX.from_pretrained(tiny_models["2b"] / "vae").float().eval()
+    scaling = vae.config.scaling_factor
+    # The first two batches in one program (2 + 2 latent frames, or 3 + 2), then two calls of the second program.
+    for latent_frames, later in ((8, [4, 6]), (9, [5, 7])):
+        z = torch.randn(1, vae.config.latent_channels, latent_frames, 8, 12,
+                        generator=torch.Generator().manual_seed(latent_frames))
+        # 4T-3 frames from an odd T (the first batch's odd frame stays one frame), 4T from an even T
+        frames = 4 * latent_frames - 3 * (latent_frames % 2)
+        before = compile_stats()
+        ours = family.decode(VideoLatents(z, 64, 96, frames, family.signature)).numpy()
+        compiled = compile_stats().since(before).xla_compiles
+        with torch.no_grad():
+            ref = vae.decode(z / scaling, return_dict=False)[0]
+        ref = (ref * 0.5 + 0.5).clamp(0, 1)[0].permute(1, 2, 3, 0).numpy()
+        assert ours.shape == ref.shape == (frames, 64, 96, 3)
+        assert ref.std() > 0.01
+        assert np.abs(ours - ref).max() < 1e-5
+        assert family._later_batches(latent_frames) == later
+        assert [p.part for p in family.decode_programs(tuple(z.shape))] == ["start", "batch"]
+        assert compiled == 2

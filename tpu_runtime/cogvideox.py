@@ -47,7 +47,7 @@ from .family import (
     jax_dtype,
     size_problems,
 )
-from .runtime import Runtime
+from .runtime import Runtime, tracing
 from .schedulers import COGVIDEOX_COEFFS, cogvideox_plan
 from .sharding import COGVIDEOX_TRANSFORMER_RULES, T5_ENCODER_RULES, VAE_RULES, MeshSpec
 
@@ -542,9 +542,17 @@ class CogVideoXFamily(ModelFamily):
         z_shape = (1, int(self.vae_config["latent_channels"]), shape[1] - pad, shape[3], shape[4])
         image = [self.image_program(s.height, s.width)] if self.image_input != "none" else []
         return [self.encode_program(), *image, self.sample_program(s.height, s.width, s.num_frames, cfg),
-                self.decode_program(z_shape)]
+                *self.decode_programs(z_shape)]
 
     # --- stage 3: decode ---------------------------------------------------------------------------------------
+    #: How diffusers' batched decode runs (``vae._decode``: two latent frames at a time, the first batch taking the
+    #: odd frame too, the causal convolutions' caches carried from batch to batch). "batches" (the default): two
+    #: programs, the first two batches (after them every cache has its steady shape) and one later batch, called
+    #: once per batch with the caches kept on the devices: a compile that does not grow with the frame count and
+    #: memory bounded by a batch. "unrolled": one program holding a copy of the decoder per batch. VAE tiling
+    #: (diffusers' tiled decode, its own loop over tiles and batches) is always one program.
+    decode_loop = "batches"
+
     def decode(self, latents: VideoLatents, tiling: bool = False, group_norm: str = "stock") -> torch.Tensor:
         """Frames ``[F, H, W, 3]`` float32 in 0..1 from stage-2 latents."""
         if group_norm not in GROUP_NORMS:
@@ -556,39 +564,106 @@ class CogVideoXFamily(ModelFamily):
             raise StageFileError(
                 f"latents have shape {tuple(z.shape)}; this model's VAE decodes [1, {channels}, T, H/8, W/8]"
             )
-        program = self.decode_program(tuple(z.shape), tiling, group_norm)
-        executable = self.compile_stage(program)
+        programs = self.decode_programs(tuple(z.shape), tiling, group_norm)
+        executables = [self.compile_stage(p) for p in programs]
+        state = programs[0].example[0]
         z_dev = self.put(z.to(self.dtype), self._vae_input_spec(z.shape))
         start = time.perf_counter()
-        frames = self.runtime.to_cpu(executable(program.example[0], z_dev))
+        if len(programs) == 1:
+            frames = self.runtime.to_cpu(executables[0](state, z_dev))
+        else:  # the first two batches, then one call per later batch, the causal caches kept on the devices
+            z_dev, first, caches = executables[0](state, z_dev)
+            parts = [self.runtime.to_cpu(first)]
+            for begin in self._later_batches(z.shape[2]):
+                out, caches = executables[1](state, z_dev, self.put(torch.tensor(begin, dtype=torch.int32)), caches)
+                parts.append(self.runtime.to_cpu(out))
+            frames = torch.cat(parts)
         self._record_run("decode", start)
         return frames
 
-    def decode_program(self, z_shape: tuple[int, ...], tiling: bool = False, group_norm: str = "stock") -> StageProgram:
-        """The VAE decode of latents ``[1, C, T, h, w]`` to frames ``[F, H, W, 3]`` in 0..1."""
+    def _batch_starts(self, latent_frames: int) -> list[int]:
+        """Where each latent batch starts: diffusers' ``_decode`` takes ``num_latent_frames_batch_size`` frames a
+        batch, and the first batch takes the remainder as well."""
+        size = int(self._component("vae").num_latent_frames_batch_size)
+        batches, rest = max(latent_frames // size, 1), latent_frames % size
+        return [0] + [size * i + rest for i in range(1, batches)]
+
+    def _later_batches(self, latent_frames: int) -> list[int]:
+        """Where each batch after the first two starts (the later-batch program's calls)."""
+        return self._batch_starts(latent_frames)[2:]
+
+    def decode_programs(self, z_shape: tuple[int, ...], tiling: bool = False,
+                        group_norm: str = "stock") -> list[StageProgram]:
+        """The programs that decode latents ``[1, C, T, h, w]`` to frames ``[F, H, W, 3]`` in 0..1: one program
+        (tiling, ``decode_loop = "unrolled"`` or up to two batches), or the first two batches' program and the later
+        batches' program (``decode_loop``)."""
+        import jax
         import jax.numpy as jnp
 
+        if self.decode_loop not in ("unrolled", "batches"):
+            raise InputError(f"decode_loop {self.decode_loop!r} is not one of batches, unrolled")
         vae = self._component("vae")
         vae.use_tiling = bool(tiling)
         scaling = float(self.vae_config.get("scaling_factor", 1.15258426))
-        decode_fn = self.runtime.module_function(vae, "decode")
-
-        def frames_fn(state, z):
-            video = decode_fn(state, (1 / scaling) * z, return_dict=False)[0]
-            video = jnp.clip(video * 0.5 + 0.5, 0.0, 1.0)
-            return jnp.transpose(video[0], (1, 2, 3, 0)).astype(jnp.float32)
+        frames = (z_shape[2] - 1) * self.vae_scale_temporal + 1
+        height, width = z_shape[3] * self.vae_scale_spatial, z_shape[4] * self.vae_scale_spatial
+        what = f"VAE decode for {frames}x{height}x{width}"
+        example = (self._states["vae"], self.arg(z_shape, self.dtype, self._vae_input_spec(z_shape)))
+        key = (self.dtype_name, tuple(z_shape), bool(tiling), group_norm, self.vae_sharding)
 
         @contextlib.contextmanager
         def scope():
             with self.traced(), _vae_for_xla(vae, group_norm):
                 yield
 
-        frames = (z_shape[2] - 1) * self.vae_scale_temporal + 1
-        height, width = z_shape[3] * self.vae_scale_spatial, z_shape[4] * self.vae_scale_spatial
-        example = (self._states["vae"], self.arg(z_shape, self.dtype, self._vae_input_spec(z_shape)))
-        key = (self.dtype_name, tuple(z_shape), bool(tiling), group_norm, self.vae_sharding)
-        return StageProgram("decode", frames_fn, example, key, f"VAE decode for {frames}x{height}x{width}", scope,
-                            ("vae",))
+        def to_frames(video):  # [1, 3, F, H, W] in -1..1 -> [F, H, W, 3] in 0..1
+            video = jnp.clip(video * 0.5 + 0.5, 0.0, 1.0)
+            return jnp.transpose(video[0], (1, 2, 3, 0)).astype(jnp.float32)
+
+        starts = self._batch_starts(z_shape[2])
+        if tiling or self.decode_loop == "unrolled" or len(starts) <= 2:
+            decode_fn = self.runtime.module_function(vae, "decode")
+
+            def frames_fn(state, z):
+                return to_frames(decode_fn(state, (1 / scaling) * z, return_dict=False)[0])
+
+            return [StageProgram("decode", frames_fn, example, key, what, scope, ("vae",))]
+
+        batch = self.runtime.module_function(vae, _decode_batch)
+        keep, placed = self._vae_placement()
+        size = int(vae.num_latent_frames_batch_size)
+        bounds = list(zip(starts[:2], (starts + [z_shape[2]])[1:3]))  # the first two batches
+
+        def start_fn(state, z):
+            z = (1 / scaling) * z
+            outs, caches = [], None
+            for begin, end in bounds:
+                out, caches = batch(state, z[:, :, begin:end], caches)
+                outs.append(out)
+            return keep(z), to_frames(jnp.concatenate(outs, axis=2)), jax.tree_util.tree_map(keep, caches)
+
+        first = StageProgram("decode", start_fn, example, key + ("start",), f"{what}: the first two latent batches",
+                             scope, ("vae",), part="start")
+        with scope(), tracing():
+            z_struct, _, cache_structs = jax.eval_shape(start_fn, *example)
+
+        def batch_fn(state, z, begin, caches):
+            out, caches = batch(state, jax.lax.dynamic_slice_in_dim(z, begin, size, axis=2), caches)
+            return to_frames(out), jax.tree_util.tree_map(keep, caches)
+
+        batch_example = (self._states["vae"], placed(z_struct), self.arg((), torch.int32),
+                         jax.tree_util.tree_map(placed, cache_structs))
+        return [first, StageProgram("decode", batch_fn, batch_example, key + ("batch",),
+                                    f"{what}: each later batch of {size} latent frames", scope, ("vae",),
+                                    part="batch")]
+
+
+def _decode_batch(module, z, conv_cache):
+    """One batch of diffusers' ``AutoencoderKLCogVideoX._decode`` loop: latents (already divided by the scaling
+    factor) to pixels in -1..1, with the causal convolutions' caches in and out (``None`` before the first)."""
+    if module.post_quant_conv is not None:
+        z = module.post_quant_conv(z)
+    return module.decoder(z, conv_cache=conv_cache)
 
 
 # --- transformer attention -------------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ Everything here is the same for all of them:
 - the denoising loop: one compiled step program called once per step, waiting for each step so progress is
   honest and Cancel stops at the next step boundary.
 
-Each stage's program is built by one method (``encode_program``, ``sample_program``, ``decode_program``) that
-returns a ``StageProgram``: the function, its example arguments (weights as placed, inputs as shape structs
+Each stage's programs are built by one method (``encode_program``, ``sample_program``, ``decode_programs``) that
+returns ``StageProgram``s: the function, its example arguments (weights as placed, inputs as shape structs
 placed on the mesh) and its key. The stage methods compile and run it; ``plan`` compiles the very same programs
 for a TPU topology this process cannot run on (a family made with ``target_devices``: weights are never read,
 only their shapes and dtypes).
@@ -521,6 +521,21 @@ class ModelFamily:
                         "replicated; a latent width divisible by %d would split", self.mesh_spec, shape[-1],
                         min(n for n in self.mesh.shape.values() if n > 1))
         return (None,) * (len(shape) - 1) + (axes,) if axes else ()
+
+    def _vae_placement(self) -> tuple[Callable, Callable]:
+        """For the VAE programs that run a video in pieces (Wan's frames and chunks, CogVideoX's latent batches):
+        ``keep(value)`` inside a program (a carried value stays placed as the next call takes it) and
+        ``placed(struct)`` (that placement as the next program's input)."""
+        import jax
+
+        def keep(value):
+            spec = self._vae_input_spec(value.shape)
+            return jax.lax.with_sharding_constraint(value, self.runtime.sharding(self.mesh, spec))
+
+        def placed(struct):
+            return None if struct is None else self.arg(struct.shape, struct.dtype, self._vae_input_spec(struct.shape))
+
+        return keep, placed
 
     # --- what the CLI and the nodes ask of every family --------------------------------------------------------
     def native_size(self) -> tuple[int, int, int]:

@@ -846,20 +846,6 @@ class WanFamily(ModelFamily):
             raise InputError(f"decode_loop {self.decode_loop!r} is not one of frames, unrolled")
         return self.decode_loop
 
-    def _vae_placement(self) -> tuple[Callable, Callable]:
-        """For the chunk-by-chunk VAE programs: ``keep(value)`` inside a program (a carried value stays placed as
-        the next call takes it) and ``placed(struct)`` (that placement as the next program's input)."""
-        import jax
-
-        def keep(value):
-            spec = self._vae_input_spec(value.shape)
-            return jax.lax.with_sharding_constraint(value, self.runtime.sharding(self.mesh, spec))
-
-        def placed(struct):
-            return None if struct is None else self.arg(struct.shape, struct.dtype, self._vae_input_spec(struct.shape))
-
-        return keep, placed
-
     def decode_programs(self, z_shape: tuple[int, ...]) -> list[StageProgram]:
         """The programs that de-normalise latents ``[1, C, T, h, w]`` and decode them, one latent frame at a time
         as diffusers does, to frames ``[F, H, W, 3]`` in 0..1: one program (unrolled), or the first two frames'
