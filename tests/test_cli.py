@@ -58,6 +58,8 @@ def test_bench_writes_table_and_json(tmp_path):
     # One program per stage and nothing else (no small programs per weight shape for the transfers).
     assert result["ours"]["xla_compiles_total"] == 3
     assert set(result["group_norm"]) == {"stock", "jnp_var"}
+    # The decode against diffusers' eager VAE decode (9 frames: two latent batches, one program either way).
+    assert result["vae_decode"]["loop"] == "batches" and result["vae_decode"]["diffusers_eager_s_median"] > 0
     assert result["diffusers_eager"]["runs_s"] and result["ratios"]["warm_ours_over_diffusers"] > 0
     assert result["ours"]["memory_analysis"]["decode"]["temp_size_in_bytes"] > 0
 

@@ -2,9 +2,10 @@
 
 Reports, per stage, load / compile / run seconds and XLA compile counts, the XLA memory analysis of each
 compiled program, peak host memory, and end-to-end wall times (cold: with compiles; warm: a second prompt and
-seed) as ratios to diffusers eager. Per family: CogVideoX compares its two VAE GroupNorm lowerings; Wan compares
-its VAE decode with diffusers' eager VAE decode on the same latents. Without ``--model`` it builds a tiny
-random-weight model, so the numbers measure overheads and compiles, not a real model's speed.
+seed) as ratios to diffusers eager. The VAE decode is compared with diffusers' eager VAE decode on the same
+latents and with itself as one unrolled program; CogVideoX also compares its two VAE GroupNorm lowerings.
+Without ``--model`` it builds a tiny random-weight model, so the numbers measure overheads and compiles, not a
+real model's speed.
 
 ``bench --load-file-mb N`` measures loading a ComfyUI single-file Wan transformer of about N MB of random fp16
 weights instead: host seconds and peak host memory of our loader, each in a fresh process.
@@ -117,8 +118,7 @@ def run_bench(model: str | None, generation: str, height: int, width: int, frame
     latents = load_latents(work / "run0")
     if family_name == "cogvideox":
         result["group_norm"] = _group_norms(family, latents)
-    else:
-        result["vae_decode"] = _wan_decode_vs_eager(family, pipe, latents)
+    result["vae_decode"] = _decode_vs_eager(family, pipe, latents)
     result["peak_host_mib"] = _peak_host_mib()
 
     eager_warm = statistics.median(result["diffusers_eager"]["runs_s"][1:] or result["diffusers_eager"]["runs_s"])
@@ -152,23 +152,27 @@ def _group_norms(family, latents) -> dict:
     return gn
 
 
-def _wan_decode_vs_eager(family, pipe, latents) -> dict:
-    """Wan: our compiled VAE decode against diffusers' eager ``vae.decode`` on the same latents and weights."""
+def _decode_vs_eager(family, pipe, latents) -> dict:
+    """Our compiled VAE decode (batch by batch for CogVideoX, frame by frame for Wan) against diffusers' eager
+    ``vae.decode`` on the same latents and weights, and against our decode as one unrolled program."""
     import torch
 
     vae = pipe.vae
     z = latents.latents.to(vae.dtype)
-    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(z.dtype)
-    std_inv = 1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(z.dtype)
+    if family.FAMILY == "cogvideox":
+        z = z / vae.config.scaling_factor
+    else:
+        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(z.dtype)
+        z = z * torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(z.dtype) + mean
 
     def eager():
         with torch.no_grad():
-            return vae.decode(z / std_inv + mean, return_dict=False)[0]
+            return vae.decode(z, return_dict=False)[0]
 
+    compiled_before = family.timings.compile.get("decode", 0.0)
     ours_s = _timed(lambda: family.decode(latents))
-    eager_s = _timed(eager)
     program = family.timings.programs["decode"]
-    compile_s = family.timings.compile.get("decode", 0.0)  # both frame-by-frame programs
+    eager_s = _timed(eager)
     loop = family.decode_loop
     family.decode_loop = "unrolled"  # one program for all frames, timed here for comparison
     family.decode(latents)
@@ -176,7 +180,7 @@ def _wan_decode_vs_eager(family, pipe, latents) -> dict:
     unrolled_compile_s = family.timings.programs["decode"].compile_seconds
     family.decode_loop = loop
     return {"ours_run_s_median": ours_s, "diffusers_eager_s_median": eager_s, "ratio_ours_over_eager": ours_s / eager_s,
-            "compile_s": compile_s, "memory_analysis": dict(program.memory),
+            "loop": loop, "compile_s": compiled_before, "memory_analysis": dict(program.memory),
             "unrolled_run_s_median": unrolled_s, "unrolled_compile_s": unrolled_compile_s}
 
 
@@ -338,9 +342,9 @@ def print_table(r: dict) -> None:
                   f"{g['memory_analysis'].get('temp_size_in_bytes', 0) / 2**20:>10.2f}")
     if "vae_decode" in r:
         v = r["vae_decode"]
-        print(f"\n  Wan VAE decode (same latents, median of 3): ours {v['ours_run_s_median']:.3f} s, diffusers eager "
+        print(f"\n  VAE decode (same latents, median of 3): ours {v['ours_run_s_median']:.3f} s, diffusers eager "
               f"{v['diffusers_eager_s_median']:.3f} s, ratio {v['ratio_ours_over_eager']:.2f}; compile "
-              f"{v['compile_s']:.2f} s (frame by frame); all frames in one unrolled program: "
+              f"{v['compile_s']:.2f} s ({v['loop']}); all frames in one unrolled program: "
               f"{v['unrolled_run_s_median']:.3f} s, compile {v['unrolled_compile_s']:.2f} s")
     print(f"\n  peak host memory {r['peak_host_mib']:.0f} MiB")
 
