@@ -17,7 +17,7 @@ from tpu_runtime.cogvideox import CogVideoXFamily
 from tpu_runtime.family import SampleSettings, VideoLatents
 from tpu_runtime.errors import InputError
 from tpu_runtime.runtime import compile_stats
-from tpu_runtime.sharding import MeshSpec, default_mesh, parse_mesh, width_split_axes
+from tpu_runtime.sharding import MeshSpec, default_mesh, frame_split_spec, parse_mesh, split_axes
 from tpu_runtime.tiny import TinySpec, build_tiny_cogvideox
 
 MESHES = ["dp=1,sp=1,tp=8", "dp=2,sp=1,tp=4", "dp=1,sp=2,tp=4", "dp=2,sp=2,tp=2"]
@@ -96,14 +96,14 @@ def test_meshes_match_single_device(eight_head_model, tmp_path):
 
 def test_sequence_not_divisible_by_sp_is_padded(eight_head_model, tmp_path):
     # 64x80: 16 text + 3*4*5 video tokens = 76, not a multiple of sp=8 (nor 3 latent frames of 20 patches).
-    # Its 10 latent columns split over dp alone on dp=2,tp=4 (2 divides 10, 8 and 4 do not), and over no axis of
-    # dp=1,sp=8,tp=1: the decode is then replicated (with a warning), and both equal the single device.
+    # Its 10 latent columns split over dp alone on dp=2,tp=4 (2 divides 10, 8 and 4 do not) and its 8 rows over tp;
+    # on dp=1,sp=8,tp=1 no axis divides the columns and sp takes the rows; both equal the single device.
     single = _single_device_frames(eight_head_model, 64, 80)
     frames, report = _worker(eight_head_model, tmp_path, 64, 80, ["dp=1,sp=8,tp=1", "dp=2,sp=1,tp=4"])
     assert np.abs(frames["dp1_sp8_tp1"] - single).max() < 1e-4
     assert np.abs(frames["dp2_sp1_tp4"] - single).max() < 1e-4
-    assert report["dp=2,sp=1,tp=4"]["decode_split_axes"][-1] == ["dp"], report
-    assert report["dp=1,sp=8,tp=1"]["decode_split_axes"] == [], report
+    assert report["dp=2,sp=1,tp=4"]["decode_split_axes"][-2:] == [["tp"], ["dp"]], report
+    assert report["dp=1,sp=8,tp=1"]["decode_split_axes"][-2:] == [["sp"], None], report
 
 
 def test_invalid_meshes_fail_before_compiling(tiny_models, runtime):
@@ -171,14 +171,20 @@ def test_wan_meshes_match_single_device(four_head_wan, tmp_path):
         assert r["collectives"]["all-reduce"] >= 3, (mesh, r)  # attn1, attn2 and ffn outputs are row-parallel
 
 
-def test_width_split_takes_the_most_devices_that_divide_the_width():
+def test_width_split_takes_the_most_devices_that_divide_the_width_then_the_height():
     v6e8 = {"dp": 2, "sp": 1, "tp": 4}
-    assert width_split_axes(v6e8, 160) == ("dp", "tp")  # Wan at 1280 wide: every chip
-    assert width_split_axes(v6e8, 90) == ("dp",)  # CogVideoX at 720: 90 columns, 8 and 4 do not divide
-    assert width_split_axes(v6e8, 52) == ("tp",)  # 416 wide: 4 divides, 8 does not
-    assert width_split_axes(v6e8, 45) == ()
-    assert width_split_axes({"dp": 2, "sp": 2, "tp": 2}, 12) == ("dp", "sp")  # 4 of the 8 devices
-    assert width_split_axes({"dp": 1, "sp": 1, "tp": 1}, 16) == ()
+    assert split_axes(v6e8, 160) == ("dp", "tp")  # Wan at 1280 wide: every chip
+    assert split_axes(v6e8, 90) == ("dp",)  # CogVideoX at 720: 90 columns, 8 and 4 do not divide
+    assert split_axes(v6e8, 52) == ("tp",)  # 416 wide: 4 divides, 8 does not
+    assert split_axes(v6e8, 45) == ()
+    assert split_axes({"dp": 2, "sp": 2, "tp": 2}, 12) == ("dp", "sp")  # 4 of the 8 devices
+    assert split_axes({"dp": 1, "sp": 1, "tp": 1}, 16) == ()
+    # A frame: the width first, the axes it leaves on the height.
+    assert frame_split_spec(v6e8, (1, 16, 21, 90, 160)) == (None, None, None, None, ("dp", "tp"))  # Wan 720p
+    assert frame_split_spec(v6e8, (1, 16, 13, 60, 90)) == (None, None, None, ("tp",), ("dp",))  # CogVideoX 720x480
+    assert frame_split_spec(v6e8, (1, 16, 21, 96, 170)) == (None, None, None, ("tp",), ("dp",))  # 1.5 1360x768
+    assert frame_split_spec(v6e8, (1, 16, 13, 45, 45)) == ()
+    assert frame_split_spec(v6e8, (1, 16, 13, 64, 45)) == (None, None, None, ("dp", "tp"), None)
 
 
 def test_default_mesh():

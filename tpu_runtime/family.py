@@ -37,7 +37,7 @@ from .errors import InputError, Interrupted, StageFileError
 from .lora import LoraMerger, LoraSpec, name_aliases, read_lora
 from .multihost import REPLAYED, replayed_init, replayed_method
 from .runtime import Runtime, compile_stats, get_runtime
-from .sharding import MeshSpec, default_mesh, parse_mesh, validate_mesh, width_split_axes
+from .sharding import MeshSpec, default_mesh, frame_split_spec, parse_mesh, validate_mesh
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +266,7 @@ class ModelFamily:
         # The decode's layout, resolved once: "auto" is the width split wherever there is more than one device.
         self.vae_sharding = ("width" if self.mesh_spec.devices > 1 else "replicated") if vae_sharding == "auto" \
             else vae_sharding
-        self._unsplit_widths: set[int] = set()
+        self._unsplit_frames: set[tuple] = set()
         self.timings = StageTimings()
         self._parts: dict[str, object] = {}
         self._states: dict[str, dict] = {}
@@ -509,18 +509,19 @@ class ModelFamily:
         self._record_run("sample", start)
 
     def _vae_input_spec(self, shape) -> tuple:
-        """``width``: latents [B, C, T, H, W] split on W over the mesh axes whose devices divide it, as many as
-        can (all of them on a v6e-8 at 1280 wide; dp alone for CogVideoX's 720 = 90 latent columns on dp=2,tp=4;
-        XLA adds the conv halos); otherwise replicated."""
+        """``width``: VAE tensors [B, C, T, H, W] split on W over the mesh axes with the most devices that divide it
+        (all of them on a v6e-8 at 1280 wide; dp alone for CogVideoX's 720 = 90 latent columns on dp=2,tp=4), and
+        on H over those left that divide it (tp for CogVideoX's 480 = 60 latent rows there), so that as many chips
+        as the frame allows share it (XLA adds the convolutions' halos); otherwise replicated."""
         if self.vae_sharding != "width":
             return ()
-        axes = width_split_axes(dict(self.mesh.shape), shape[-1])
-        if not axes and self.mesh_spec.devices > 1 and shape[-1] not in self._unsplit_widths:
-            self._unsplit_widths.add(shape[-1])
-            log.warning("vae_sharding width: no axis of mesh %s divides the latent width %d, so the decode is "
-                        "replicated; a latent width divisible by %d would split", self.mesh_spec, shape[-1],
-                        min(n for n in self.mesh.shape.values() if n > 1))
-        return (None,) * (len(shape) - 1) + (axes,) if axes else ()
+        spec = frame_split_spec(dict(self.mesh.shape), tuple(shape))
+        if not spec and self.mesh_spec.devices > 1 and tuple(shape[-2:]) not in self._unsplit_frames:
+            self._unsplit_frames.add(tuple(shape[-2:]))
+            log.warning("vae_sharding width: no axis of mesh %s divides the latent frame %dx%d, so the decode is "
+                        "replicated; a latent width or height divisible by %d would split", self.mesh_spec,
+                        shape[-1], shape[-2], min(n for n in self.mesh.shape.values() if n > 1))
+        return spec
 
     def _vae_placement(self) -> tuple[Callable, Callable]:
         """For the VAE programs that run a video in pieces (Wan's frames and chunks, CogVideoX's latent batches):

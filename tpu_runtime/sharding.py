@@ -144,17 +144,27 @@ def spec_for(name: str, rules) -> tuple:
     return ()
 
 
-def width_split_axes(mesh_sizes: dict[str, int], width: int) -> tuple[str, ...]:
-    """The mesh axes to split a tensor's last dimension of ``width`` over: the combination of axes (in mesh order)
-    with the most devices whose product divides ``width``; () when none does."""
+def split_axes(mesh_sizes: dict[str, int], size: int) -> tuple[str, ...]:
+    """The mesh axes to split a dimension of ``size`` over: the combination of axes (in mesh order) with the most
+    devices whose product divides ``size``; () when none does."""
     axes = [(a, n) for a, n in mesh_sizes.items() if n > 1]
     best, most = (), 1
     for r in range(len(axes), 0, -1):
         for combo in itertools.combinations(axes, r):
-            n = math.prod(size for _, size in combo)
-            if width % n == 0 and n > most:
+            n = math.prod(n for _, n in combo)
+            if size % n == 0 and n > most:
                 best, most = tuple(a for a, _ in combo), n
     return best
+
+
+def frame_split_spec(mesh_sizes: dict[str, int], shape: tuple[int, ...]) -> tuple:
+    """The VAE's width split of a ``[..., H, W]`` tensor: W over the axes with the most devices that divide it,
+    then H over those of the axes left that divide it; () when neither splits."""
+    columns = split_axes(mesh_sizes, shape[-1])
+    rows = split_axes({a: n for a, n in mesh_sizes.items() if a not in columns}, shape[-2])
+    if not columns and not rows:
+        return ()
+    return (None,) * (len(shape) - 2) + (rows or None, columns or None)
 
 
 def fsdp_spec(shape: tuple[int, ...], dp: int, spec: tuple = ()) -> tuple:
