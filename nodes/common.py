@@ -29,8 +29,9 @@ DEVICE_INPUTS = {
 # Placed after every other loader input, so that a workflow saved before they existed keeps its values in place.
 LAYOUT_INPUTS = {
     "vae_sharding": (["auto", "width", "replicated"], {"default": "auto", "tooltip": "the VAE decode on a mesh: "
-                     "width splits every frame's width over the chips (each holds and computes a slice); "
-                     "replicated decodes the whole video on every chip; auto: width on more than one chip"}),
+                     "width splits every frame over the chips, its width first, then its height (each chip holds "
+                     "and computes a slice); replicated decodes the whole video on every chip; auto: width on "
+                     "more than one chip"}),
     "fsdp": ("BOOLEAN", {"default": False, "tooltip": "also split every weight matrix over the mesh's dp axis "
              "(gathered before use): less memory per chip for a large model on a small slice (Wan 2.2 A14B on a "
              "v6e-4), more communication; needs dp of 2 or more"}),

@@ -85,8 +85,9 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool = False) -> None:
     p.add_argument("--fsdp", action="store_true", help="also split every weight matrix over dp (less memory per "
                    "chip; each layer's weights are gathered before use)")
     p.add_argument("--vae-sharding", choices=["auto", "width", "replicated"], default="auto",
-                   help="width: split the VAE decode over the devices along the frame width; replicated: every "
-                   "device decodes the whole video; auto: width on more than one device")
+                   help="width: split the VAE decode over the devices along the frame width (and the height with "
+                   "the axes the width leaves); replicated: every device decodes the whole video; auto: width on "
+                   "more than one device")
     p.add_argument("--output-dir", required=True)
     p.add_argument("-v", "--verbose", action="store_true")
 
