@@ -250,6 +250,37 @@ def test_a_decode_that_fits_alone_but_not_beside_the_weights_is_told_to_split():
     assert advice == ["--vae-sharding width: splits the decode's activations over every chip"], advice
 
 
+def test_a_decode_short_of_memory_with_the_split_already_on_is_told_what_else_fits():
+    """CogVideoX1.5-5B's decode at 1360x768x81 compiled for v6e-8 with the width split over dp alone: its first
+    two latent batches took 26.60 GiB per chip (0.4 of it the VAE), 32.98 of 32 with the resident weights. The split
+    is on already, so it is not suggested again; fewer resident weights (FSDP) or a larger slice to split the
+    decode over are, each with an estimate under the chip's memory (the advice was empty before)."""
+    from tpu_runtime.plan import MeshReport, StageReport, open_abstract, suggestions
+
+    source = ModelSource("cogvideox1.5-5b")
+    family = open_abstract(source, parse_topology(V6E_8).devices(), _tmp(), mesh="dp=2,sp=1,tp=4")
+    assert family.vae_sharding == "width"
+    names = ("text_encoder", "transformer", "vae")
+    for name in names:
+        family._component(name)
+    resident = sum(_param_bytes_per_chip(family, n) for n in names)
+    step, vae = _param_bytes_per_chip(family, "transformer"), _param_bytes_per_chip(family, "vae")
+    decode_extra = int(26.2 * GIB)
+    stages = {"sample": StageReport(compiled=True, weights_bytes_per_chip=step,
+                                    total_bytes_per_chip=step + int(3.1 * GIB)),
+              "decode_start": StageReport(compiled=True, weights_bytes_per_chip=vae,
+                                          total_bytes_per_chip=vae + decode_extra)}
+    report = MeshReport("dp=2,sp=1,tp=4", False, resident, resident + decode_extra, stages)
+    assert resident + decode_extra > 32 * GIB
+    advice = suggestions(source, family, report, parse_topology(V6E_8), None, ("sample", "decode"))
+    assert not any(a.startswith("--vae-sharding") for a in advice), advice
+    fsdp = [a for a in advice if a.startswith("--fsdp on this slice")]
+    larger = [a for a in advice if a.startswith("a larger slice: v6e-16")]
+    assert fsdp and larger, advice
+    for line in fsdp + larger:
+        assert float(re.search(r"about ([\d.]+) GiB", line).group(1)) < 32, line
+
+
 def test_the_decode_splits_over_the_width_by_default_on_a_slice_not_on_one_chip():
     """auto (the default of plan, generate and the loaders): the width split wherever there is more than one
     chip, so the 720p Wan decode that does not fit replicated beside A14B's experts on a v6e-8 is split unasked."""

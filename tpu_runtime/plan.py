@@ -444,9 +444,11 @@ def suggestions(source: ModelSource, family, report: MeshReport, topo: Topology,
         extra(decodes) > extra(others) and report.resident_weights_bytes_per_chip + extra(decodes) > hbm)
     if decode_short and family.vae_sharding == "replicated" and family.mesh_spec.devices > 1:
         out.append("--vae-sharding width: splits the decode's activations over every chip")
-    if decode_short and all(r.compiled and r.total_bytes_per_chip <= hbm for r in others) \
-            and report.resident_weights_bytes_per_chip + extra(others) <= hbm:
-        return out  # only the decode is short of memory: the weights' options below would not help
+        if all(r.compiled and r.total_bytes_per_chip <= hbm for r in others) \
+                and report.resident_weights_bytes_per_chip + extra(others) <= hbm:
+            return out  # only the decode is short of memory, and the split is the first thing to try
+    # The decode already split (or one chip) and still short: fewer resident weights (FSDP) or more chips to
+    # split it over (a larger slice, the decode's activations scaled by the chip count) are what is left.
 
     def weights_for(mesh_spec: MeshSpec, fsdp: bool, devices) -> int:
         mesh = runtime.make_mesh(mesh_spec, devices)
