@@ -281,6 +281,44 @@ def test_a_decode_short_of_memory_with_the_split_already_on_is_told_what_else_fi
         assert float(re.search(r"about ([\d.]+) GiB", line).group(1)) < 32, line
 
 
+def test_a_decode_the_compiler_refuses_for_want_of_hbm_is_not_told_fsdp():
+    """CogVideoX1.5-5B's decode at 1360x768x81 planned for v5e-8 (split 8 ways): the compiler refused both
+    programs for want of HBM (errors below, as it gave them). FSDP leaves the VAE whole, so it cannot help and is
+    not suggested (it was, "about 3.6 GiB", from the weights alone); a larger slice is, estimated from what the
+    compiler said the program needs; the verdict names the stages that did not compile instead of a peak."""
+    from tpu_runtime.plan import MeshReport, PlanReport, StageReport, format_report, open_abstract, suggestions
+
+    source = ModelSource("cogvideox1.5-5b")
+    topo = parse_topology("v5e-8")
+    family = open_abstract(source, topo.devices(), _tmp(), mesh="dp=2,sp=1,tp=4")
+    for name in ("text_encoder", "transformer", "vae"):
+        family._component(name)
+    resident = sum(_param_bytes_per_chip(family, n) for n in ("text_encoder", "transformer", "vae"))
+    vae = _param_bytes_per_chip(family, "vae")
+    stages = {
+        "decode_start": StageReport(compiled=False, weights_bytes_per_chip=vae, error=(
+            "JaxRuntimeError: RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+            "temporaries (17.12G) exceeds available HBM (15.75G).")),
+        "decode_batch": StageReport(compiled=False, weights_bytes_per_chip=vae, error=(
+            "JaxRuntimeError: RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: XLA:TPU compile permanent error. Ran "
+            "out of memory in memory space hbm. Used 15.77G of 15.75G hbm. Exceeded hbm capacity by 19.23M.")),
+    }
+    report = MeshReport("dp=2,sp=1,tp=4", False, resident, resident, stages)
+    advice = suggestions(source, family, report, topo, None, ("decode",))
+    assert not any("fsdp" in a for a in advice), advice
+    larger = [a for a in advice if a.startswith("a larger slice: v5e-")]
+    assert larger, advice
+    chips = int(re.search(r"v5e-(\d+)", larger[0]).group(1))
+    estimate = float(re.search(r"about ([\d.]+) GiB", larger[0]).group(1))
+    assert estimate >= 17.12 * 8 / chips  # the refused program's own need, shared by more chips
+    text = format_report(PlanReport(
+        model="cogvideox1.5-5b", topology="v5e-8", chips=8, hosts=1, chip_hbm_bytes=topo.hbm_bytes, height=768,
+        width=1360, frames=81, cfg=True, dtype="bfloat16", attention="splash", fsdp=False, vae_sharding="width",
+        layers=None, mesh="dp=2,sp=1,tp=4", fits=False, peak_bytes_per_chip=resident,
+        resident_weights_bytes_per_chip=resident, stages=stages, suggestions=advice))
+    assert "verdict: DOES NOT FIT: decode_start, decode_batch did not compile" in text, text
+
+
 def test_the_decode_splits_over_the_width_by_default_on_a_slice_not_on_one_chip():
     """auto (the default of plan, generate and the loaders): the width split wherever there is more than one
     chip, so the 720p Wan decode that does not fit replicated beside A14B's experts on a v6e-8 is split unasked."""

@@ -423,8 +423,7 @@ def suggestions(source: ModelSource, family, report: MeshReport, topo: Topology,
     runtime = get_runtime()
     hbm = topo.hbm_bytes
     names = sorted({c for p in family.plan_programs(_settings_of(family)) for c in p.components})
-    activations = max((max(0, r.total_bytes_per_chip - r.weights_bytes_per_chip) for r in report.stages.values()),
-                      default=0)
+    activations = max((_activation_bytes(r) for r in report.stages.values()), default=0)
     out = []
     if any(r.error and "ScopedVmem" in r.error for r in report.stages.values()):
         # A kernel's blocks, not the chip's HBM: narrower splash blocks are the fix, not more chips.
@@ -436,11 +435,12 @@ def suggestions(source: ModelSource, family, report: MeshReport, topo: Topology,
     others = [r for name, r in report.stages.items() if not name.startswith("decode")]
 
     def extra(stages) -> int:
-        return max((max(0, r.total_bytes_per_chip - r.weights_bytes_per_chip) for r in stages), default=0)
+        return max((_activation_bytes(r) for r in stages), default=0)
 
     # The decode is short of memory alone, or beside the resident weights when it is the largest stage (the
     # Wan VAE at 720x1280 beside A14B's two experts).
-    decode_short = any(_out_of_hbm(r) or r.total_bytes_per_chip > hbm for r in decodes) or (
+    decode_alone = any(_out_of_hbm(r) or r.total_bytes_per_chip > hbm for r in decodes)
+    decode_short = decode_alone or (
         extra(decodes) > extra(others) and report.resident_weights_bytes_per_chip + extra(decodes) > hbm)
     if decode_short and family.vae_sharding == "replicated" and family.mesh_spec.devices > 1:
         out.append("--vae-sharding width: splits the decode's activations over every chip")
@@ -456,7 +456,8 @@ def suggestions(source: ModelSource, family, report: MeshReport, topo: Topology,
                                                       fsdp and n not in family.FSDP_SKIPS))
                    for n in names)
 
-    if family.mesh_spec.dp > 1 and not family.fsdp:
+    # FSDP leaves the VAE whole: it cannot help a decode that does not fit a chip by itself.
+    if family.mesh_spec.dp > 1 and not family.fsdp and not decode_alone:
         with_fsdp = weights_for(family.mesh_spec, True, family.devices) + activations
         if with_fsdp <= hbm:
             out.append(f"--fsdp on this slice: about {with_fsdp / GIB:.1f} GiB per chip (weights split over dp too; "
@@ -464,7 +465,7 @@ def suggestions(source: ModelSource, family, report: MeshReport, topo: Topology,
     # Without a compiled stage (the weights alone were too large to try) the activations are unknown: leave a
     # quarter of the chip for them. (Wan 14B on v5e-1: v5e-8's weights, 13.3 GiB, looked like a fit; compiled, its
     # step's activations took it to 17.3 GiB.)
-    measured = any(r.compiled for r in report.stages.values())
+    measured = any(r.compiled or _needed_bytes(r) for r in report.stages.values())
     margin = 0.9 if measured else 0.75
     for chips in _SLICE_SIZES[topo.kind]:
         if chips <= topo.chips:
@@ -489,6 +490,27 @@ def suggestions(source: ModelSource, family, report: MeshReport, topo: Topology,
 
 def _out_of_hbm(stage: StageReport) -> bool:
     return bool(stage.error) and "RESOURCE_EXHAUSTED" in stage.error
+
+
+_UNITS = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
+
+
+def _needed_bytes(stage: StageReport) -> int:
+    """What a program the compiler refused for want of HBM said it needs per chip (its temporaries, or what it
+    had used when it stopped: a lower bound); 0 when the error says neither."""
+    if not _out_of_hbm(stage):
+        return 0
+    found = re.search(r"required for HLO temporaries \(([\d.]+)([KMG])\)", stage.error) or \
+        re.search(r"Used ([\d.]+)([KMG]) of [\d.]+[KMG] hbm", stage.error)
+    return int(float(found.group(1)) * _UNITS[found.group(2)]) if found else 0
+
+
+def _activation_bytes(stage: StageReport) -> int:
+    """A stage's own bytes beyond its weights: compiled, from the compiler's analysis; refused for want of HBM,
+    what the compiler said it needed."""
+    if stage.compiled:
+        return max(0, stage.total_bytes_per_chip - stage.weights_bytes_per_chip)
+    return _needed_bytes(stage)
 
 
 def _settings_of(family) -> SampleSettings:
@@ -522,9 +544,14 @@ def format_report(r: PlanReport) -> str:
                           f"{'' if c['fits'] else ' (does not fit)'}" for c in r.candidates)
         lines.append(f"  meshes tried: {tried}")
     verdict = "FITS" if r.fits else "DOES NOT FIT"
-    lines.append(f"  verdict: {verdict}: peak {_gib(r.peak_bytes_per_chip)} of {_gib(r.chip_hbm_bytes)} GiB per chip "
-                 f"(all weights resident, {_gib(r.resident_weights_bytes_per_chip)} GiB, + the largest stage's "
-                 "activations)")
+    failed = [name for name, s in r.stages.items() if not s.compiled]
+    if failed:
+        lines.append(f"  verdict: {verdict}: {', '.join(failed)} did not compile (above); all weights resident "
+                     f"{_gib(r.resident_weights_bytes_per_chip)} of {_gib(r.chip_hbm_bytes)} GiB per chip")
+    else:
+        lines.append(f"  verdict: {verdict}: peak {_gib(r.peak_bytes_per_chip)} of {_gib(r.chip_hbm_bytes)} GiB per "
+                     f"chip (all weights resident, {_gib(r.resident_weights_bytes_per_chip)} GiB, + the largest "
+                     "stage's activations)")
     for s in r.suggestions:
         lines.append(f"  try: {s}")
     lines.append(f"  planned in {r.seconds:.0f} s on this machine (peak host memory "
