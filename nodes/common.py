@@ -1,9 +1,8 @@
-"""What every family's nodes share: the loaded-model cache, ComfyUI's unload hook, and the node kinds.
+"""What every family's nodes share: the loaded-model cache, ComfyUI's unload hook, the inputs every loader and
+sampler has, and running the sampler and the decode with ComfyUI's progress bar and Cancel.
 
-Each family has the same kinds of node (Loader → Text Encode [+ Image Encode] → Sampler → Decode, LoRA between
-loader and sampler) with the same inputs where the families agree; a family module only sets its types, its
-category and its family-specific inputs. Values between nodes are CPU torch tensors in small dicts or dataclasses
-(ComfyUI can hold and cache them); device buffers stay in the runtime.
+Values between nodes are CPU torch tensors in small dicts or dataclasses (ComfyUI can hold and cache them); device
+buffers stay in the runtime.
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ def load_model(key: tuple, build, cache_dir: str = ""):
     """The loaded model for ``key``, built by ``build(runtime)`` on first use; the same key shares one copy of
     the weights on the devices. Loading a different model first releases the others: a video model fills an
     accelerator's memory, so holding two at once would run out of it."""
-    from tpu_runtime.runtime import get_runtime
+    from tpu_runtime.engine.runtime import get_runtime
 
     with _models_lock:
         family = _models.get(key)
@@ -87,64 +86,7 @@ def install_comfy_unload_hook() -> bool:
     return True
 
 
-# --- node kinds ------------------------------------------------------------------------------------------------
-class TextEncodeNode:
-    """Text-encoder embeddings for a prompt and a negative prompt."""
-
-    MODEL_TYPE = EMBEDS_TYPE = ""  # a family's subclass sets both, and RETURN_TYPES = (EMBEDS_TYPE,)
-    RETURN_NAMES = ("embeds",)
-    FUNCTION = "encode"
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"model": (cls.MODEL_TYPE,), "prompt": ("STRING", {"multiline": True, "default": ""}),
-                             "negative_prompt": ("STRING", {"multiline": True, "default": ""})}}
-
-    def encode(self, model, prompt: str, negative_prompt: str):
-        return (model.encode(prompt, negative_prompt),)
-
-
-class ImageEncodeNode:
-    """The image encode stage: the first frame (and, for Wan FLF2V, the last) as the sampler takes them, for one
-    video size. Connect ComfyUI's Load Image (or any IMAGE); set the size the sampler will use."""
-
-    MODEL_TYPE = IMAGE_TYPE = ""  # a family's subclass sets both, and RETURN_TYPES = (IMAGE_TYPE,)
-    RETURN_NAMES = ("image_cond",)
-    FUNCTION = "encode"
-    SIZE = (832, 480, 81)  # width, height, frames defaults: the family's native size
-    FRAMES_TIP = ""
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        width, height, frames = cls.SIZE
-        return {
-            "required": {
-                "model": (cls.MODEL_TYPE,),
-                "image": ("IMAGE", {"tooltip": "the first frame; resized (stretched, not cropped) to width x height"}),
-                "width": ("INT", {"default": width, "min": 16, "max": 4096, "step": 16,
-                                  "tooltip": "the video's width: set the sampler to the same"}),
-                "height": ("INT", {"default": height, "min": 16, "max": 4096, "step": 16}),
-                "frames": ("INT", {"default": frames, "min": 1, "max": 1024, "step": 1, "tooltip": cls.FRAMES_TIP}),
-            },
-            "optional": {"last_image": ("IMAGE", {"tooltip": "Wan2.1-FLF2V only: the last frame"})},
-        }
-
-    def encode(self, model, image, width, height, frames, last_image=None):
-        from tpu_runtime.images import as_pil
-
-        from .comfy_bridge import progress_bar
-
-        family = base_model(model)
-        family.check_images(image is not None, last_image is not None, ("the image input", "last_image"))
-        first = as_pil(image, "image")
-        last = as_pil(last_image, "last_image") if last_image is not None else None
-        bar = progress_bar(1)
-        cond = family.encode_image(first, last, height=height, width=width, num_frames=frames)
-        if bar is not None:
-            bar.update_absolute(1, 1)
-        return (cond,)
-
-
+# --- what the node kinds (kinds.py) share -----------------------------------------------------------------
 class LoraModel:
     """What a LoRA node passes on: the loaded model plus the LoRAs to merge when it samples (ComfyUI's
     ``LoraLoaderModelOnly`` way: the model is patched when used, so chains of LoRA nodes stack and removing a node
@@ -159,51 +101,6 @@ class LoraModel:
 
 def base_model(model):
     return model.family if isinstance(model, LoraModel) else model
-
-
-NO_LORAS = "(no LoRA in models/loras)"
-EXPERTS = ["both", "high noise", "low noise"]
-
-
-class LoraNode:
-    """Adds a LoRA file (ComfyUI's models/loras) at a strength to the model; chain several."""
-
-    MODEL_TYPE = ""  # a family's subclass sets it, and RETURN_TYPES = (MODEL_TYPE,)
-    RETURN_NAMES = ("model",)
-    FUNCTION = "apply"
-    DESCRIPTION = ("Adds a LoRA at a strength. It is merged into the transformer's weights on the devices when the "
-                   "sampler runs: the sampler's compiled program is unchanged, and a new strength compiles nothing.")
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        from .model_folders import find_files
-
-        return {"required": {
-            "model": (cls.MODEL_TYPE,),
-            "lora_name": (sorted(find_files("loras")) or [NO_LORAS],),
-            "strength": ("FLOAT", {"default": 1.0, "min": -10.0, "max": 10.0, "step": 0.01,
-                                   "tooltip": "1: the LoRA as trained; 0: off; negative: subtracted"}),
-        }}
-
-    def apply(self, model, lora_name: str, strength: float, expert: str = "both"):
-        from tpu_runtime.errors import InputError
-        from tpu_runtime.lora import LoraSpec
-
-        from .model_folders import file_path
-
-        family = base_model(model)
-        if expert not in EXPERTS:
-            raise InputError(f"expert {expert!r} must be one of {EXPERTS}")
-        if expert == "low noise" and not family.two_experts:
-            raise InputError(f"{family.label} has one transformer: set expert to 'both' (the low-noise expert is a "
-                             "Wan 2.2 A14B part)")
-        spec = LoraSpec(str(file_path("loras", lora_name)), float(strength))
-        high = expert in ("both", "high noise")
-        low = family.two_experts and expert in ("both", "low noise")
-        targets = {**({"transformer": (spec,)} if high else {}), **({"transformer_2": (spec,)} if low else {})}
-        family.apply_loras(targets, merge=False)  # read and checked now, so a wrong file is reported on this node
-        return (LoraModel(family, getattr(model, "loras", ()) + ((spec,) if high else ()),
-                          getattr(model, "loras_2", ()) + ((spec,) if low else ())),)
 
 
 def image_cond_input(image_type: str) -> dict:
@@ -257,7 +154,7 @@ def run_sampler(model, embeds, settings, image_cond=None):
 def decode_latent(model, samples, **options):
     """Frames from our sampler's LATENT, or from a plain ComfyUI LATENT whose sizes follow from its shape."""
     from tpu_runtime.errors import StageFileError
-    from tpu_runtime.family import VideoLatents
+    from tpu_runtime.engine.stages import VideoLatents
 
     from .comfy_bridge import progress_bar
 

@@ -1,8 +1,8 @@
 """Where the loaders look for models.
 
-Diffusers folders (a ``model_index.json`` naming the pipeline): ComfyUI's ``models/diffusers``, plus
-``models/CogVideo`` for CogVideoX (where the most popular GPU wrapper downloads them), plus every folder
-``extra_model_paths.yaml`` adds under those names. Single files (Wan): ComfyUI's own ``diffusion_models`` (and the
+Diffusers folders (a ``model_index.json`` naming one of the family's pipelines) in the ComfyUI folder types the
+family declares (``models/diffusers`` for all; also ``models/CogVideo`` for CogVideoX, where the most popular GPU
+wrapper downloads them), plus every folder ``extra_model_paths.yaml`` adds under those names. Single files (Wan): ComfyUI's own ``diffusion_models`` (and the
 legacy ``unet``), ``text_encoders`` (and ``clip``) and ``vae`` folders, through ``folder_paths``.
 
 Outside ComfyUI, ``$TPU_VIDEO_MODEL_DIRS`` (os.pathsep-separated) plays that role: diffusers folders directly
@@ -16,26 +16,23 @@ import os
 from pathlib import Path
 
 MODEL_DIRS_ENV = "TPU_VIDEO_MODEL_DIRS"
-FOLDER_NAMES = {"cogvideox": ("diffusers", "CogVideo"), "wan": ("diffusers",)}
-PIPELINES = {"cogvideox": ("CogVideoXPipeline", "CogVideoXImageToVideoPipeline"),
-             "wan": ("WanPipeline", "WanImageToVideoPipeline")}
-FILE_KINDS = ("diffusion_models", "text_encoders", "vae", "clip_vision")
 
 
 def _env_roots() -> list[Path]:
     return [Path(p).expanduser() for p in os.environ.get(MODEL_DIRS_ENV, "").split(os.pathsep) if p]
 
 
-def search_roots(family: str = "cogvideox") -> list[Path]:
-    """The folders searched for ``family``'s diffusers folders, in order, whether or not they exist."""
+def search_roots(spec) -> list[Path]:
+    """The folders searched for family ``spec``'s diffusers folders, in order, whether or not they exist."""
     try:
         import folder_paths
     except ImportError:
         return _env_roots()
-    if "CogVideo" not in folder_paths.folder_names_and_paths:
-        folder_paths.add_model_folder_path("CogVideo", os.path.join(folder_paths.models_dir, "CogVideo"))
+    for name in spec.folder_names:  # a folder type ComfyUI does not know (CogVideo): models/<name>
+        if name not in folder_paths.folder_names_and_paths:
+            folder_paths.add_model_folder_path(name, os.path.join(folder_paths.models_dir, name))
     roots: list[Path] = []
-    for name in FOLDER_NAMES[family]:
+    for name in spec.folder_names:
         try:
             roots += [Path(p) for p in folder_paths.get_folder_paths(name)]
         except KeyError:
@@ -50,27 +47,28 @@ def _pipeline(folder: Path) -> str:
         return ""
 
 
-def find_models(family: str = "cogvideox") -> dict[str, Path]:
-    """Display name -> folder of every ``family`` folder (text- or image-to-video) directly inside a search root."""
+def find_models(spec) -> dict[str, Path]:
+    """Display name -> folder of every folder of family ``spec`` (any of its pipelines) directly inside a search
+    root."""
     found: dict[str, Path] = {}
-    for root in search_roots(family):
+    for root in search_roots(spec):
         if not root.is_dir():
             continue
         for child in sorted(p for p in root.iterdir() if p.is_dir()):
-            if _pipeline(child) in PIPELINES[family]:
+            if _pipeline(child) in spec.pipelines:
                 name = child.name if child.name not in found else f"{root.name}/{child.name}"
                 found[name] = child
     return found
 
 
-def folder_path(family: str, name: str) -> Path:
+def folder_path(spec, name: str) -> Path:
     """The folder a loader's ``model`` choice names, or a ModelFolderError listing where we looked."""
     from tpu_runtime.errors import ModelFolderError
 
-    found = find_models(family)
+    found = find_models(spec)
     if name not in found:
-        looked = ", ".join(str(r) for r in search_roots(family)) or "(no model folders configured)"
-        label = {"cogvideox": "CogVideoX", "wan": "Wan"}[family]
+        looked = ", ".join(str(r) for r in search_roots(spec)) or "(no model folders configured)"
+        label = spec.display_name
         raise ModelFolderError(
             f"{label} model {name!r} not found. Looked in: {looked}. Put a diffusers {label} folder (with "
             "model_index.json) into one of them, or give its path in model_path"

@@ -109,7 +109,8 @@ def build_models(comfy: Path, python: str) -> None:
     models = comfy / "models"
     code = (
         "import sys, shutil; from pathlib import Path; sys.path.insert(0, sys.argv[1]);"
-        "from tpu_runtime.tiny import build_tiny_cogvideox, build_tiny_wan, export_comfy_files;"
+        "from tpu_runtime.families.cogvideox.tiny import build_tiny_cogvideox;"
+        "from tpu_runtime.families.wan.tiny import build_tiny_wan, export_comfy_files;"
         "m = Path(sys.argv[2]); cog = m / 'diffusers' / 'CogVideoX-2b-tiny';"
         "cog.exists() or build_tiny_cogvideox(cog, '2b');"
         "wan = m / 'wan_tiny_build';"

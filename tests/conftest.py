@@ -62,7 +62,7 @@ def _same_imports_wherever_the_clone_sits():
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
-    from tpu_runtime.tiny import GENERATIONS, build_tiny_cogvideox
+    from tpu_runtime.families.cogvideox.tiny import GENERATIONS, build_tiny_cogvideox
 
     base = tmp_path_factory.mktemp("tiny_models")
     return {g: build_tiny_cogvideox(base / f"cogvideox_{g}", g, seed=1) for g in GENERATIONS}
@@ -75,7 +75,7 @@ WAN_SIZE = (64, 64, 9)
 @pytest.fixture(scope="session")
 def tiny_wan(tmp_path_factory):
     """Tiny random-weight Wan folders of every generation, in diffusers format."""
-    from tpu_runtime.tiny import WAN_GENERATIONS, build_tiny_wan
+    from tpu_runtime.families.wan.tiny import WAN_GENERATIONS, build_tiny_wan
 
     base = tmp_path_factory.mktemp("tiny_wan")
     return {g: build_tiny_wan(base / f"wan_{g}", g, seed=2) for g in WAN_GENERATIONS}
@@ -83,7 +83,7 @@ def tiny_wan(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def runtime():
-    from tpu_runtime.runtime import get_runtime
+    from tpu_runtime.engine.runtime import get_runtime
 
     return get_runtime()
 
@@ -120,7 +120,8 @@ def images(tmp_path_factory):
 @pytest.fixture(scope="session")
 def i2v_models(tmp_path_factory):
     """Tiny random-weight image-to-video models of every kind (TI2V-5B is tiny_wan's)."""
-    from tpu_runtime.tiny import build_tiny_cogvideox, build_tiny_wan
+    from tpu_runtime.families.cogvideox.tiny import build_tiny_cogvideox
+    from tpu_runtime.families.wan.tiny import build_tiny_wan
 
     base = tmp_path_factory.mktemp("i2v_models")
     return {

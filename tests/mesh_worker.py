@@ -14,10 +14,9 @@ import sys
 import numpy as np
 import torch
 
-from tpu_runtime.cogvideox import CogVideoXFamily
-from tpu_runtime.family import SampleSettings, VideoLatents
-from tpu_runtime.runtime import compile_stats
-from tpu_runtime.wan import WanFamily, is_wan_folder
+from tpu_runtime.engine.stages import SampleSettings, VideoLatents
+from tpu_runtime.engine.runtime import compile_stats
+from tpu_runtime.families import registry
 
 
 def nine_latent_frames(shape):
@@ -31,8 +30,7 @@ def main():
     frames, report = {}, {}
     for mesh in meshes:
         spec, *options = mesh.split(":")
-        cls = WanFamily if is_wan_folder(model) else CogVideoXFamily
-        family = cls(model, dtype="float32", mesh=spec, fsdp="fsdp" in options,
+        family = registry.open_model(model, dtype="float32", mesh=spec, fsdp="fsdp" in options,
                      vae_sharding=next((o for o in options if o in ("width", "replicated")), "auto"))
         emb = family.encode("a panda playing a guitar", "blurry, low quality")
         settings = SampleSettings(height, width, 9, steps=2, guidance=6.0, seed=4)

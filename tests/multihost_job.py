@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 from tpu_runtime.errors import InputError, Interrupted, SliceError
-from tpu_runtime.family import SampleSettings
-from tpu_runtime.generate import GenerateRequest, generate, open_model
-from tpu_runtime.runtime import compile_stats, get_runtime
+from tpu_runtime.engine.stages import SampleSettings
+from tpu_runtime.tools.generate import GenerateRequest, generate, open_model
+from tpu_runtime.engine.runtime import compile_stats, get_runtime
 
 
 

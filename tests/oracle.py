@@ -57,7 +57,7 @@ def wan_frames(folder, prompt, negative, height, width, frames, steps, guidance,
     if scheduler == "euler":
         pipe.scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=flow_shift)
     elif scheduler == "euler_simple":
-        from tpu_runtime.schedulers import euler_simple_scheduler
+        from tpu_runtime.engine.schedulers import euler_simple_scheduler
 
         pipe.scheduler = euler_simple_scheduler(shift=flow_shift)
     elif shift is not None:

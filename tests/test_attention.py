@@ -7,7 +7,7 @@ import torch
 from conftest import NEGATIVE, PROMPT
 from oracle import diffusers_frames
 
-from tpu_runtime import attention as A
+from tpu_runtime.engine import attention as A
 from tpu_runtime.errors import InputError
 
 
@@ -107,8 +107,8 @@ def test_sdpa_override_in_torchax(runtime):
 
 
 def test_full_model_through_splash(tiny_models, tmp_path):
-    from tpu_runtime import stage_files
-    from tpu_runtime.cli import GenerateRequest, generate
+    from tpu_runtime.tools import stage_files
+    from tpu_runtime.tools.cli import GenerateRequest, generate
 
     req = GenerateRequest(model=str(tiny_models["5b"]), output_dir=str(tmp_path), prompt=PROMPT,
                           negative_prompt=NEGATIVE, height=64, width=96, frames=9, steps=2, seed=9, dtype="float32",

@@ -6,7 +6,7 @@ import sys
 
 from conftest import subprocess_env
 
-from tpu_runtime.video import read_mp4
+from tpu_runtime.tools.video import read_mp4
 
 
 def test_demo_writes_playable_video(tmp_path):
@@ -85,8 +85,8 @@ def test_wan_demo_and_single_files_from_the_command_line(tiny_wan, tmp_path):
     gives the same frames as `generate --model` on the folder, with Wan's options."""
     import numpy as np
 
-    from tpu_runtime import stage_files
-    from tpu_runtime.tiny import export_comfy_files
+    from tpu_runtime.tools import stage_files
+    from tpu_runtime.families.wan.tiny import export_comfy_files
 
     out = tmp_path / "demo"
     proc = subprocess.run([sys.executable, "-m", "tpu_runtime", "demo", "--generation", "wan2.2-a14b",

@@ -7,9 +7,9 @@ import sys
 
 from conftest import SIZES, subprocess_env
 
-from tpu_runtime.cli import GenerateRequest, generate
-from tpu_runtime.cogvideox import CogVideoXFamily, SampleSettings
-from tpu_runtime.runtime import compile_stats
+from tpu_runtime.tools.cli import GenerateRequest, generate
+from tpu_runtime.families.cogvideox.model import CogVideoXFamily, SampleSettings
+from tpu_runtime.engine.runtime import compile_stats
 
 
 def _cli_generate(model, out, cache_dir, steps):

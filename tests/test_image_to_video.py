@@ -10,11 +10,11 @@ import torch
 from conftest import I2V_SIZES, NEGATIVE, PROMPT
 from oracle import cogvideox_i2v_frames, wan_i2v_frames
 
-from tpu_runtime import stage_files
+from tpu_runtime.tools import stage_files
 from tpu_runtime.errors import InputError
-from tpu_runtime.generate import GenerateRequest, generate
-from tpu_runtime.runtime import compile_stats
-from tpu_runtime.tiny import export_comfy_files
+from tpu_runtime.tools.generate import GenerateRequest, generate
+from tpu_runtime.engine.runtime import compile_stats
+from tpu_runtime.families.wan.tiny import export_comfy_files
 
 TOL = 1e-4
 
@@ -27,7 +27,7 @@ def _ours(out, model=None, files=None, **kw):
     settings = dict(prompt=PROMPT, negative_prompt=NEGATIVE, steps=3, seed=42, dtype="float32")
     settings.update(kw)
     generate(GenerateRequest(model=str(model) if model else None, output_dir=str(out),
-                             **{k: str(v) for k, v in (files or {}).items()}, **settings))
+                             files={k: str(v) for k, v in (files or {}).items()}, **settings))
     return stage_files.load_frames(out).numpy()
 
 
@@ -65,7 +65,7 @@ def test_wan_i2v_matches_diffusers(i2v_models, images, tmp_path, kind):
     ref = wan_i2v_frames(folder, images["first"], None, PROMPT, NEGATIVE, h, w, f, steps=4, guidance=5.0, seed=42)
     _close(ours, ref, WAN)
     if kind == "wan-a14b":
-        from tpu_runtime.wan import WanFamily
+        from tpu_runtime.families.wan.model import WanFamily
 
         family = WanFamily(folder, dtype="float32")
         scheduler = family.scheduler()
@@ -98,8 +98,8 @@ def test_wan_vae_encode_runs_chunk_by_chunk_equal_to_diffusers(i2v_models, image
     with the last picture in the final chunk (FLF2V) and without."""
     from diffusers import AutoencoderKLWan
 
-    from tpu_runtime.images import load_image, video_image
-    from tpu_runtime.wan import WanFamily
+    from tpu_runtime.engine.images import load_image, video_image
+    from tpu_runtime.families.wan.model import WanFamily
 
     h, w, f = 32, 32, 13  # four latent frames: the start program, then the chunk program twice
     first, last = (video_image(load_image(images[k]), h, w)[:, :, None] for k in ("first", "last"))
@@ -174,8 +174,8 @@ def test_stages_one_at_a_time_give_the_same_video(i2v_models, images, tmp_path):
 def test_another_image_of_the_same_size_compiles_nothing(i2v_models, images, tmp_path):
     """The image encode stage is one program per size: a second video from another picture compiles no XLA
     program in any stage, and the picture changes the video."""
-    from tpu_runtime.cogvideox import CogVideoXFamily
-    from tpu_runtime.family import SampleSettings
+    from tpu_runtime.families.cogvideox.model import CogVideoXFamily
+    from tpu_runtime.engine.stages import SampleSettings
 
     h, w, f = SIZES["cog-5b"]
     family = CogVideoXFamily(i2v_models["cog-5b"], dtype="float32")
@@ -221,8 +221,8 @@ def test_bad_image_input_is_refused_before_any_compile(tiny_models, i2v_models, 
 
 
 def test_sampling_refuses_an_image_encoded_for_another_size(i2v_models, images):
-    from tpu_runtime.family import SampleSettings
-    from tpu_runtime.wan import WanFamily
+    from tpu_runtime.engine.stages import SampleSettings
+    from tpu_runtime.families.wan.model import WanFamily
 
     family = WanFamily(i2v_models["wan-i2v"], dtype="float32")
     image = family.encode_image(images["first"], height=64, width=64, num_frames=9)
@@ -242,7 +242,7 @@ def test_sampling_refuses_an_image_encoded_for_another_size(i2v_models, images):
 def test_wan22_i2v_single_files_switch_experts_at_09(i2v_models, tmp_path):
     """The files of Wan 2.2 I2V-A14B do not record the boundary: it is the I2V model's 0.9 (T2V-A14B: 0.875),
     read from the transformer taking image channels; the files give the folder's weights."""
-    from tpu_runtime.wan import WanFamily, WanFiles
+    from tpu_runtime.families.wan.model import WanFamily, WanFiles
 
     files = export_comfy_files(i2v_models["wan-a14b"], tmp_path / "files", "fp16")
     family = WanFamily(files=WanFiles(files["transformer"], files["text_encoder"], files["vae"],
@@ -256,8 +256,8 @@ def test_wan21_i2v_native_size_follows_the_model_name(tmp_path):
     folder's or file's name, 480x832 unless it says 720 (FLF2V is 720P)."""
     import jax
 
-    from tpu_runtime.architectures import write_architecture
-    from tpu_runtime.wan import WanFamily
+    from tpu_runtime.families.registry import write_architecture
+    from tpu_runtime.families.wan.model import WanFamily
 
     sizes = {name: WanFamily(write_architecture(name, tmp_path), target_devices=jax.devices()).native_size()
              for name in ("wan2.1-i2v-14b-480p", "wan2.1-i2v-14b-720p", "wan2.1-flf2v-14b-720p")}

@@ -8,8 +8,8 @@ from conftest import subprocess_env
 
 _WORKER = r"""
 import sys, time
-from tpu_runtime.cogvideox import CogVideoXFamily, SampleSettings
-from tpu_runtime.tiny import TinySpec, build_tiny_cogvideox
+from tpu_runtime.families.cogvideox.model import CogVideoXFamily, SampleSettings
+from tpu_runtime.families.cogvideox.tiny import TinySpec, build_tiny_cogvideox
 
 model = build_tiny_cogvideox(sys.argv[1], "2b", spec=TinySpec("2b", text_len=226, heads=2, head_dim=64, layers=1))
 family = CogVideoXFamily(model, dtype="float32")

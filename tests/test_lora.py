@@ -12,11 +12,11 @@ from conftest import NEGATIVE, PROMPT, WAN_SIZE
 from oracle import lora_frames
 
 from tpu_runtime.errors import InputError
-from tpu_runtime.family import SampleSettings
-from tpu_runtime.generate import GenerateRequest, generate
-from tpu_runtime.lora import LoraSpec, parse_lora
-from tpu_runtime.runtime import compile_stats
-from tpu_runtime.tiny import LORA_FORMATS, TinyWanSpec, build_tiny_lora, build_tiny_wan
+from tpu_runtime.engine.stages import SampleSettings
+from tpu_runtime.tools.generate import GenerateRequest, generate
+from tpu_runtime.engine.lora import LoraSpec, parse_lora
+from tpu_runtime.engine.runtime import compile_stats
+from tpu_runtime.families.wan.tiny import LORA_FORMATS, TinyWanSpec, build_tiny_lora, build_tiny_wan
 
 TOL = 1e-4
 H, W, F = WAN_SIZE
@@ -25,7 +25,7 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def wan21(tiny_wan):
-    from tpu_runtime.wan import WanFamily
+    from tpu_runtime.families.wan.model import WanFamily
 
     family = WanFamily(tiny_wan["2.1"], dtype="float32")
     return family, family.encode(PROMPT, NEGATIVE)
@@ -86,8 +86,8 @@ def test_two_loras_at_once_match_diffusers(wan21, tiny_wan, tmp_path):
 def test_two_experts_take_their_own_loras_at_the_lightx2v_settings(tiny_wan, tmp_path):
     """Wan 2.2 A14B as the 4-step lightx2v LoRAs are used: one LoRA on the high-noise expert, another on the
     low-noise one, 4 steps, CFG off, Euler with ComfyUI's simple spacing at shift 5 (the cards' timesteps)."""
-    from tpu_runtime.schedulers import euler_simple_scheduler
-    from tpu_runtime.wan import WanFamily
+    from tpu_runtime.engine.schedulers import euler_simple_scheduler
+    from tpu_runtime.families.wan.model import WanFamily
 
     folder = tiny_wan["2.2-A14B"]
     high = build_tiny_lora(folder / "transformer", tmp_path / "high.safetensors", "comfy", seed=6)
@@ -111,11 +111,11 @@ def test_two_experts_take_their_own_loras_at_the_lightx2v_settings(tiny_wan, tmp
 def test_cogvideox_lora_matches_diffusers_fused(tiny_models, tmp_path):
     from diffusers import CogVideoXPipeline
 
-    from tpu_runtime.cogvideox import CogVideoXFamily
+    from tpu_runtime.families.cogvideox.model import CogVideoXFamily
+    from tpu_runtime.families.cogvideox.tiny import build_tiny_lora as build_cogvideox_lora
 
     folder = tiny_models["5b"]
-    path = build_tiny_lora(folder / "transformer", tmp_path / "cog.safetensors", "diffusers", family="cogvideox",
-                           seed=8)
+    path = build_cogvideox_lora(folder / "transformer", tmp_path / "cog.safetensors", "diffusers", seed=8)
     family = CogVideoXFamily(folder, dtype="float32")
     embeddings = family.encode(PROMPT, NEGATIVE)
     settings = dict(height=64, width=64, frames=9, guidance=6.0)
@@ -163,7 +163,7 @@ def test_unmatched_keys_are_named_and_the_rest_applied(wan21, tiny_wan, tmp_path
     path = build_tiny_lora(tiny_wan["2.1"] / "transformer", tmp_path / "x.safetensors", "comfy", seed=10,
                            extra=extra)
     clean = build_tiny_lora(tiny_wan["2.1"] / "transformer", tmp_path / "c.safetensors", "comfy", seed=10)
-    with caplog.at_level(logging.WARNING, logger="tpu_runtime.lora"):
+    with caplog.at_level(logging.WARNING, logger="tpu_runtime.engine.lora"):
         ours = _sample(family, embeddings, [LoraSpec(str(path), 1.0)])
     warned = " ".join(r.getMessage() for r in caplog.records)
     for key in extra:
@@ -180,7 +180,7 @@ def test_difference_tensors_add_to_weights_and_biases(wan21, tmp_path):
     state = family._states["transformer"]
     norm = next(k for k in state if k.startswith("blocks.0.norm") and k.endswith(".weight"))
     bias = "blocks.1.ffn.net.2.bias"
-    from tpu_runtime.wan_files import wan_transformer_to_original
+    from tpu_runtime.families.wan.files import wan_transformer_to_original
 
     diff = torch.randn(*state[norm].shape, generator=torch.Generator().manual_seed(0))
     diff_b = torch.randn(*state[bias].shape, generator=torch.Generator().manual_seed(1))
@@ -196,8 +196,9 @@ def test_difference_tensors_add_to_weights_and_biases(wan21, tmp_path):
 
 
 def test_other_family_or_size_refused_before_any_compile(tiny_wan, tiny_models, tmp_path):
-    cog = build_tiny_lora(tiny_models["5b"] / "transformer", tmp_path / "cog.safetensors", "diffusers",
-                          family="cogvideox")
+    from tpu_runtime.families.cogvideox.tiny import build_tiny_lora as build_cogvideox_lora
+
+    cog = build_cogvideox_lora(tiny_models["5b"] / "transformer", tmp_path / "cog.safetensors", "diffusers")
     wider = build_tiny_wan(tmp_path / "wide", "2.1", spec=TinyWanSpec(heads=4, layers=1))
     wide = build_tiny_lora(wider / "transformer", tmp_path / "wide.safetensors", "comfy")
     cases = [(cog, "looks like a LoRA for CogVideoX"), (wide, "another size of the model"),
@@ -227,8 +228,8 @@ def test_cli_lora_options(wan21, tiny_wan, tmp_path, capsys):
     generation_config.json; ``--lora-2`` on a one-transformer model exits 2 with a message."""
     import json
 
-    from tpu_runtime import stage_files
-    from tpu_runtime.cli import main
+    from tpu_runtime.tools import stage_files
+    from tpu_runtime.tools.cli import main
 
     family, embeddings = wan21
     path = build_tiny_lora(tiny_wan["2.1"] / "transformer", tmp_path / "cli.safetensors", "musubi", seed=13)

@@ -13,12 +13,12 @@ import pytest
 from conftest import subprocess_env
 from mesh_worker import nine_latent_frames
 
-from tpu_runtime.cogvideox import CogVideoXFamily
-from tpu_runtime.family import SampleSettings, VideoLatents
+from tpu_runtime.families.cogvideox.model import CogVideoXFamily
+from tpu_runtime.engine.stages import SampleSettings, VideoLatents
 from tpu_runtime.errors import InputError
-from tpu_runtime.runtime import compile_stats
-from tpu_runtime.sharding import MeshSpec, default_mesh, frame_split_spec, parse_mesh, split_axes
-from tpu_runtime.tiny import TinySpec, build_tiny_cogvideox
+from tpu_runtime.engine.runtime import compile_stats
+from tpu_runtime.engine.sharding import MeshSpec, default_mesh, frame_split_spec, parse_mesh, split_axes
+from tpu_runtime.families.cogvideox.tiny import TinySpec, build_tiny_cogvideox
 
 MESHES = ["dp=1,sp=1,tp=8", "dp=2,sp=1,tp=4", "dp=1,sp=2,tp=4", "dp=2,sp=2,tp=2"]
 REPLICATED_VAE = "dp=2,sp=1,tp=4:replicated"  # every device decodes the whole video (the others: split on width)
@@ -120,9 +120,9 @@ def test_invalid_meshes_fail_before_compiling(tiny_models, runtime):
 def test_invalid_axes_on_eight_devices(tmp_path):
     code = r"""
 import sys
-from tpu_runtime.cogvideox import CogVideoXFamily, SampleSettings
+from tpu_runtime.families.cogvideox.model import CogVideoXFamily, SampleSettings
 from tpu_runtime.errors import InputError
-from tpu_runtime.runtime import compile_stats
+from tpu_runtime.engine.runtime import compile_stats
 family = None
 for mesh, guidance in (("dp=1,sp=2,tp=4", 6.0), ("dp=2,sp=2,tp=2", 1.0)):
     try:
@@ -142,14 +142,14 @@ print("COMPILES", compile_stats().xla_compiles - (family.timings.compiles.get("e
 
 @pytest.fixture(scope="module")
 def four_head_wan(tmp_path_factory):
-    from tpu_runtime.tiny import TinyWanSpec, build_tiny_wan
+    from tpu_runtime.families.wan.tiny import TinyWanSpec, build_tiny_wan
 
     return build_tiny_wan(tmp_path_factory.mktemp("wan4") / "m", "2.1", spec=TinyWanSpec(heads=4, layers=1))
 
 
 def test_wan_meshes_match_single_device(four_head_wan, tmp_path):
     """Wan's rule table (self- and cross-attention, feed-forward, q/k norms across heads) on the same meshes."""
-    from tpu_runtime.wan import WanFamily
+    from tpu_runtime.families.wan.model import WanFamily
 
     family = WanFamily(four_head_wan, dtype="float32")
     emb = family.encode("a panda playing a guitar", "blurry, low quality")
@@ -203,9 +203,9 @@ def test_default_mesh():
 _LORA_WORKER = """
 import json, sys
 import numpy as np
-from tpu_runtime.family import SampleSettings, VideoLatents
-from tpu_runtime.lora import LoraSpec
-from tpu_runtime.wan import WanFamily
+from tpu_runtime.engine.stages import SampleSettings, VideoLatents
+from tpu_runtime.engine.lora import LoraSpec
+from tpu_runtime.families.wan.model import WanFamily
 
 model, lora, out = sys.argv[1:4]
 family = WanFamily(model, dtype="float32", mesh="dp=2,sp=1,tp=4")
@@ -224,9 +224,9 @@ print("REPORT " + json.dumps({"same_shardings": specs == merged, "split_weights"
 def test_wan_lora_merges_under_each_weights_sharding(four_head_wan, tmp_path):
     """On dp=2,tp=4 the LoRA is merged into each weight where it lives (same sharding after as before) and the
     frames equal the single-device frames with the same LoRA."""
-    from tpu_runtime.lora import LoraSpec
-    from tpu_runtime.tiny import build_tiny_lora
-    from tpu_runtime.wan import WanFamily
+    from tpu_runtime.engine.lora import LoraSpec
+    from tpu_runtime.families.wan.tiny import build_tiny_lora
+    from tpu_runtime.families.wan.model import WanFamily
 
     lora = build_tiny_lora(four_head_wan / "transformer", tmp_path / "l.safetensors", "comfy", seed=2)
     out = tmp_path / "frames.npy"

@@ -18,8 +18,10 @@ from conftest import subprocess_env
 from safetensors.numpy import load_file
 
 from tpu_runtime.errors import InputError
-from tpu_runtime.multihost import _check_files, file_fingerprint, source_fingerprints
-from tpu_runtime.tiny import TinySpec, TinyWanSpec, build_tiny_cogvideox, build_tiny_lora, build_tiny_wan
+from tpu_runtime.multihost.transport import file_fingerprint, source_fingerprints
+from tpu_runtime.multihost.worker import _check_files
+from tpu_runtime.families.cogvideox.tiny import TinySpec, build_tiny_cogvideox
+from tpu_runtime.families.wan.tiny import TinyWanSpec, build_tiny_lora, build_tiny_wan
 
 JOB = str(Path(__file__).with_name("multihost_job.py"))
 SIZE = {"height": 32, "width": 64, "frames": 9}
@@ -214,7 +216,7 @@ def test_closing_the_slice_stops_the_heartbeat_on_every_process(process_id, brok
     """At exit the heartbeat thread must end: left running into the interpreter's shutdown inside the store's
     client it aborted the first process after a worker was killed (exit -6, "FATAL: exception not rethrown"), once
     in a full test run. Only a healthy slice's first process sends the workers a shutdown."""
-    from tpu_runtime.multihost import PREFIX, Slice
+    from tpu_runtime.multihost.transport import PREFIX, Slice
 
     store = _Store()
     slice_ = Slice(store, process_id, 2, worker_timeout=5, heartbeat_timeout=5)

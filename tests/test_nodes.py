@@ -97,7 +97,7 @@ def test_interrupt_stops_between_steps_and_next_run_is_correct(pack, tiny_models
     m = pack.NODE_CLASS_MAPPINGS
     (model,) = m["TPUCogVideoXLoader"]().load("", "float32", model_path=str(tiny_models["2b"]))
     (embeds,) = m["TPUCogVideoXTextEncode"]().encode(model, PROMPT, NEGATIVE)
-    from tpu_runtime.cogvideox import SampleSettings
+    from tpu_runtime.families.cogvideox.model import SampleSettings
 
     seen = []
     with pytest.raises(Interrupted, match="before step 3 of 5"):
@@ -195,10 +195,11 @@ def test_loader_lists_models_from_comfy_folders(pack, tiny_models, fake_comfy_fo
 
 def test_missing_model_lists_where_we_looked(pack, fake_comfy_folders):
     from tpu_runtime.errors import ModelFolderError
+    from tpu_runtime.families import registry
 
     models, extra = fake_comfy_folders
     loader = pack.NODE_CLASS_MAPPINGS["TPUCogVideoXLoader"]
-    assert loader.INPUT_TYPES()["required"]["model"][0] == [pack.nodes.cogvideox_nodes.NO_MODELS]
+    assert loader.INPUT_TYPES()["required"]["model"][0] == [pack.nodes.kinds.no_models(registry.spec_named("cogvideox"))]
     with pytest.raises(ModelFolderError) as err:
         loader().load("CogVideoX-2b", "auto")
     message = str(err.value)
@@ -233,7 +234,7 @@ def test_device_buffers_stable_over_prompts_and_freed_on_unload(pack, tiny_model
 def test_nodes_run_under_comfy_inference_mode(pack, tiny_models, tiny_wan):
     """ComfyUI executes nodes inside torch.inference_mode(); tracing must still see decomposed ops (every trace:
     the compiled programs and the shapes the Wan frame-by-frame decode works out for its later-frame program)."""
-    import tpu_runtime.runtime as rt
+    import tpu_runtime.engine.runtime as rt
 
     rt.get_runtime().clear_programs()  # make the chains trace again, inside inference mode
     with torch.inference_mode():
@@ -271,7 +272,7 @@ def test_wan_files_loader_lists_comfy_folders_and_matches_diffusers(pack, tiny_w
     """Two-expert Wan 2.2 from ComfyUI's own folders (scaled-fp8 experts), with a second guidance."""
     from oracle import wan_frames
 
-    from tpu_runtime.tiny import export_comfy_files
+    from tpu_runtime.families.wan.tiny import export_comfy_files
 
     models, _ = fake_comfy_folders
     files = export_comfy_files(tiny_wan["2.2-A14B"], models / "staging", "fp8_scaled")
@@ -302,7 +303,7 @@ def test_wan_nodes_refuse_what_the_model_does_not_have(pack, tiny_wan):
 
 
 def test_wan_interrupt_stops_between_steps(pack, tiny_wan):
-    from tpu_runtime.family import SampleSettings
+    from tpu_runtime.engine.stages import SampleSettings
 
     (model,) = pack.NODE_CLASS_MAPPINGS["TPUWanLoader"]().load("", "float32", model_path=str(tiny_wan["2.1"]))
     (embeds,) = pack.NODE_CLASS_MAPPINGS["TPUWanTextEncode"]().encode(model, PROMPT, NEGATIVE)
@@ -331,7 +332,7 @@ def test_wan_lora_nodes_chain_per_expert_and_leave_no_trace(pack, tiny_wan, fake
     from oracle import lora_frames, wan_frames
 
     from tpu_runtime.errors import InputError
-    from tpu_runtime.tiny import build_tiny_lora
+    from tpu_runtime.families.wan.tiny import build_tiny_lora
 
     models, _ = fake_comfy_folders
     folder = tiny_wan["2.2-A14B"]

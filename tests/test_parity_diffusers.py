@@ -6,8 +6,8 @@ import torch
 from conftest import NEGATIVE, PROMPT, SIZES
 from oracle import diffusers_frames
 
-from tpu_runtime import stage_files
-from tpu_runtime.cli import GenerateRequest, generate
+from tpu_runtime.tools import stage_files
+from tpu_runtime.tools.cli import GenerateRequest, generate
 
 TOL = 1e-4
 
@@ -74,9 +74,9 @@ def test_decode_by_latent_batches_matches_diffusers(tiny_models):
     frame the first batch takes; two programs per size, whatever the frame count."""
     from diffusers import AutoencoderKLCogVideoX
 
-    from tpu_runtime.cogvideox import CogVideoXFamily
-    from tpu_runtime.family import VideoLatents
-    from tpu_runtime.runtime import compile_stats
+    from tpu_runtime.families.cogvideox.model import CogVideoXFamily
+    from tpu_runtime.engine.stages import VideoLatents
+    from tpu_runtime.engine.runtime import compile_stats
 
     family = CogVideoXFamily(tiny_models["2b"], dtype="float32")
     assert family.decode_loop == "batches"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tpu_runtime.errors import InputError
-from tpu_runtime.plan import GIB, ModelSource, parse_topology, plan
+from tpu_runtime.tools.plan import GIB, ModelSource, parse_topology, plan
 
 V6E_8 = "v6e-8"
 
@@ -53,8 +53,8 @@ def test_abstract_weights_have_the_loaded_shapes_and_dtypes(tiny_models, tiny_wa
                                                             generation):
     """What plan compiles against (built on meta, never read) has exactly the names, shapes and dtypes the
     runtime places when it loads the weights, fp32-kept modules included."""
-    from tpu_runtime.cogvideox import CogVideoXFamily
-    from tpu_runtime.wan import WanFamily
+    from tpu_runtime.families.cogvideox.model import CogVideoXFamily
+    from tpu_runtime.families.wan.model import WanFamily
 
     cls, folder = (CogVideoXFamily, tiny_models[generation]) if family_name == "cogvideox" \
         else (WanFamily, tiny_wan[generation])
@@ -73,7 +73,7 @@ def test_abstract_weights_have_the_loaded_shapes_and_dtypes(tiny_models, tiny_wa
 
 def test_a_tpu_mesh_gets_splash_and_bfloat16(tiny_wan, runtime):
     """The family follows the mesh's platform, not this process's CPU backend."""
-    from tpu_runtime.wan import WanFamily
+    from tpu_runtime.families.wan.model import WanFamily
 
     family = WanFamily(tiny_wan["2.1"], runtime=runtime, target_devices=parse_topology(V6E_8).devices())
     assert family.attention.impl == "splash" and family.dtype_name == "bfloat16"
@@ -113,7 +113,7 @@ def test_step_program_compiles_for_v6e8_with_splash_and_tensor_parallel_collecti
     assert sample.all_reduces >= 2 * layers
     assert sample.all_gathers == 0
     # Per-chip memory: the weights the compiler counts equal the band computed from shapes and the mesh.
-    from tpu_runtime.plan import open_abstract
+    from tpu_runtime.tools.plan import open_abstract
 
     family = open_abstract(ModelSource(model), parse_topology(V6E_8).devices(), _tmp(), mesh="dp=2,sp=1,tp=4",
                            layers=layers)
@@ -135,7 +135,7 @@ def _tmp():
 def test_a_collective_cut_into_pieces_counts_once():
     """The TPU compiler for v5e cuts a large all-gather into a chain of pieces sharing one channel id (lines as it
     wrote them for CogVideoX-2b's step on v5e-8, shortened); v6e keeps it whole. Both count one all-gather."""
-    from tpu_runtime.plan import count_ops
+    from tpu_runtime.tools.plan import count_ops
 
     piece = ("  %all-gather.{n} = bf16[1,15,17776,64]{{3,2,1,0}} all-gather(%param_0.{n}), channel_id=13, "
              "replica_groups=[4,2]<=[2,2,2]T(0,2,1), dimensions={{2}}, frontend_attributes={{chain_id=\"0\"}}")
@@ -162,8 +162,8 @@ def test_fsdp_gathers_weights_before_use():
 
 def test_fsdp_candidates_all_have_dp():
     """FSDP splits over dp, and a mesh without dp is refused with fsdp: plan tries only meshes with dp then."""
-    from tpu_runtime.plan import candidate_meshes
-    from tpu_runtime.sharding import MeshSpec
+    from tpu_runtime.tools.plan import candidate_meshes
+    from tpu_runtime.engine.sharding import MeshSpec
 
     assert any(m.dp == 1 for m in candidate_meshes(8, 40, True))
     fsdp = candidate_meshes(8, 40, True, fsdp=True)
@@ -173,7 +173,7 @@ def test_fsdp_candidates_all_have_dp():
 def test_fsdp_splits_every_transformer_matrix_over_every_chip():
     """FSDP adds dp to each matrix on a dimension tp leaves whole, keeping tp's split: Wan 14B's transformer on
     v6e-4 (dp=2, tp=2) then holds about a quarter of its bytes per chip, not half."""
-    from tpu_runtime.plan import open_abstract
+    from tpu_runtime.tools.plan import open_abstract
 
     devices = parse_topology("v6e-4").devices()
     plain = open_abstract(ModelSource("wan2.1-t2v-14b"), devices, _tmp(), mesh="dp=2,sp=1,tp=2")
@@ -205,7 +205,7 @@ def test_two_experts_on_a_slice_too_small_are_told_fsdp_fits():
     """Wan 2.2 A14B on v6e-4: both experts resident do not fit 32 GiB with the default mesh (40.7 GiB compiled
     at full size); split over dp as well they do, and the suggestion says so. The step's activations are the
     compiled full-size figure; the weights are the model's own (full depth, abstract)."""
-    from tpu_runtime.plan import MeshReport, StageReport, open_abstract, suggestions
+    from tpu_runtime.tools.plan import MeshReport, StageReport, open_abstract, suggestions
 
     source = ModelSource("wan2.2-t2v-a14b")
     family = open_abstract(source, parse_topology("v6e-4").devices(), _tmp(), mesh="dp=2,sp=1,tp=2")
@@ -229,7 +229,7 @@ def test_a_decode_that_fits_alone_but_not_beside_the_weights_is_told_to_split():
     """The Wan VAE's later-frame decode at 720x1280 compiled for v6e-8 (17.74 GiB per chip replicated, of it 0.24
     weights) fits a chip alone, but not beside Wan 2.2 A14B's resident weights: the decode, not the weights, is
     what to change, so the advice is the width split and nothing about FSDP or a larger slice."""
-    from tpu_runtime.plan import MeshReport, StageReport, open_abstract, suggestions
+    from tpu_runtime.tools.plan import MeshReport, StageReport, open_abstract, suggestions
 
     source = ModelSource("wan2.2-t2v-a14b")
     family = open_abstract(source, parse_topology(V6E_8).devices(), _tmp(), mesh="dp=2,sp=1,tp=4",
@@ -255,7 +255,7 @@ def test_a_decode_short_of_memory_with_the_split_already_on_is_told_what_else_fi
     two latent batches took 26.60 GiB per chip (0.4 of it the VAE), 32.98 of 32 with the resident weights. The split
     is on already, so it is not suggested again; fewer resident weights (FSDP) or a larger slice to split the
     decode over are, each with an estimate under the chip's memory (the advice was empty before)."""
-    from tpu_runtime.plan import MeshReport, StageReport, open_abstract, suggestions
+    from tpu_runtime.tools.plan import MeshReport, StageReport, open_abstract, suggestions
 
     source = ModelSource("cogvideox1.5-5b")
     family = open_abstract(source, parse_topology(V6E_8).devices(), _tmp(), mesh="dp=2,sp=1,tp=4")
@@ -286,7 +286,7 @@ def test_a_decode_the_compiler_refuses_for_want_of_hbm_is_not_told_fsdp():
     programs for want of HBM (errors below, as it gave them). FSDP leaves the VAE whole, so it cannot help and is
     not suggested (it was, "about 3.6 GiB", from the weights alone); a larger slice is, estimated from what the
     compiler said the program needs; the verdict names the stages that did not compile instead of a peak."""
-    from tpu_runtime.plan import MeshReport, PlanReport, StageReport, format_report, open_abstract, suggestions
+    from tpu_runtime.tools.plan import MeshReport, PlanReport, StageReport, format_report, open_abstract, suggestions
 
     source = ModelSource("cogvideox1.5-5b")
     topo = parse_topology("v5e-8")
@@ -322,7 +322,7 @@ def test_a_decode_the_compiler_refuses_for_want_of_hbm_is_not_told_fsdp():
 def test_the_decode_splits_over_the_width_by_default_on_a_slice_not_on_one_chip():
     """auto (the default of plan, generate and the loaders): the width split wherever there is more than one
     chip, so the 720p Wan decode that does not fit replicated beside A14B's experts on a v6e-8 is split unasked."""
-    from tpu_runtime.plan import open_abstract
+    from tpu_runtime.tools.plan import open_abstract
 
     source = ModelSource("wan2.2-t2v-a14b")
     slice_ = open_abstract(source, parse_topology(V6E_8).devices(), _tmp())
@@ -343,9 +343,9 @@ def test_vae_decode_compiles_for_v6e8_full_width():
     frame as on TPU: of the two programs plan compiles, the one every latent frame after the first two runs (the
     first two frames' program has the same layers and took longer still: 190 s here against 140). A small frame
     keeps the compile to about two minutes."""
-    from tpu_runtime.family import SampleSettings
-    from tpu_runtime.plan import _no_persistent_cache, compile_program, open_abstract
-    from tpu_runtime.runtime import get_runtime
+    from tpu_runtime.engine.stages import SampleSettings
+    from tpu_runtime.tools.plan import _no_persistent_cache, compile_program, open_abstract
+    from tpu_runtime.engine.runtime import get_runtime
 
     get_runtime()
     topo = parse_topology(V6E_8)
@@ -382,7 +382,7 @@ def test_a_14b_model_on_one_16gb_chip_does_not_fit_and_a_larger_slice_is_suggest
 
 def test_two_expert_models_count_both_experts_resident():
     """Wan 2.2 A14B: one step program serves both experts; both stay on the chips, so both count."""
-    from tpu_runtime.plan import open_abstract
+    from tpu_runtime.tools.plan import open_abstract
 
     mesh = "dp=2,sp=1,tp=4"
     report = plan(ModelSource("wan2.2-t2v-a14b"), V6E_8, mesh=mesh, height=64, width=64, frames=5,
@@ -401,7 +401,7 @@ def test_two_expert_models_count_both_experts_resident():
 def test_a_kernel_out_of_scoped_vmem_is_reported_with_smaller_blocks():
     """Blocks too long for the chip's scoped VMEM (here twice the defaults, which v5e halves back to the v6e
     sizes it cannot hold) are the compiler's error, not the HBM's: plan names it and suggests smaller blocks."""
-    from tpu_runtime.attention import AttentionConfig
+    from tpu_runtime.engine.attention import AttentionConfig
 
     big = AttentionConfig(impl="splash", block_q=6656, block_kv=5632)
     report = plan(ModelSource("wan2.1-t2v-1.3b"), "v5e-4", mesh="dp=2,sp=1,tp=2", stages=("sample",), layers=1,
@@ -425,7 +425,7 @@ def test_bad_input_is_refused_before_compiling():
 
 def test_cli_plans_a_folder_tries_meshes_and_writes_json(tiny_wan, tmp_path, capsys):
     """A diffusers folder, every stage, no --mesh: candidate meshes compiled, the smallest fit chosen."""
-    from tpu_runtime.cli import main
+    from tpu_runtime.tools.cli import main
 
     out = tmp_path / "plan.json"
     code = main(["plan", "--model", str(tiny_wan["2.1"]), "--topology", "v6e-4", "--height", "64", "--width", "64",
@@ -454,7 +454,7 @@ def test_cli_plans_a_folder_tries_meshes_and_writes_json(tiny_wan, tmp_path, cap
 
 
 def test_cli_reports_bad_topology_as_an_error(capsys):
-    from tpu_runtime.cli import main
+    from tpu_runtime.tools.cli import main
 
     assert main(["plan", "--model", "cogvideox-2b", "--topology", "v6e-7"]) == 2
     assert "v6e-7" in capsys.readouterr().err
@@ -482,7 +482,7 @@ def test_planned_programs_do_not_touch_the_runtime_program_table_or_cache(runtim
 def test_a_multi_host_slice_is_planned_per_chip():
     """v6e-16 is four hosts of four chips: one mesh over all 16 (tp=8 across hosts), per-chip memory reported and
     equal to the band from the parameter shapes on that mesh."""
-    from tpu_runtime.plan import open_abstract
+    from tpu_runtime.tools.plan import open_abstract
 
     mesh = "dp=2,sp=1,tp=8"
     report = plan(ModelSource("wan2.1-t2v-14b"), "v6e-16", mesh=mesh, height=64, width=64, frames=5,

@@ -64,7 +64,7 @@ def test_compat_leaves_torch_ops_untouched_after_import(runtime):
 
 def test_mesh_must_match_device_count(runtime):
     from tpu_runtime.errors import InputError
-    from tpu_runtime.sharding import MeshSpec
+    from tpu_runtime.engine.sharding import MeshSpec
 
     with pytest.raises(InputError, match=r"mesh dp=2,sp=1,tp=1 uses 2 devices but 1 are available"):
         runtime.make_mesh(MeshSpec(dp=2))
@@ -72,7 +72,7 @@ def test_mesh_must_match_device_count(runtime):
 
 
 def test_eight_devices_in_a_subprocess(tmp_path):
-    code = ("from tpu_runtime.runtime import get_runtime; from tpu_runtime.sharding import MeshSpec; "
+    code = ("from tpu_runtime.engine.runtime import get_runtime; from tpu_runtime.engine.sharding import MeshSpec; "
             "r = get_runtime(); print(len(r.devices), dict(r.make_mesh(MeshSpec(2, 1, 4)).shape))")
     proc = subprocess.run([sys.executable, "-c", code],
                           env=subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8",
@@ -84,7 +84,7 @@ def test_eight_devices_in_a_subprocess(tmp_path):
 
 
 def test_one_cache_dir_per_process(runtime, tmp_path):
-    from tpu_runtime.runtime import get_runtime
+    from tpu_runtime.engine.runtime import get_runtime
 
     assert get_runtime() is runtime
     with pytest.raises(ValueError, match="a process has one cache directory"):

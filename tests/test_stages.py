@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from conftest import PROMPT, SIZES
 
-from tpu_runtime import stage_files as sf
-from tpu_runtime.cli import GenerateRequest, generate
+from tpu_runtime.tools import stage_files as sf
+from tpu_runtime.tools.cli import GenerateRequest, generate
 from tpu_runtime.errors import StageFileError
-from tpu_runtime.video import read_mp4
+from tpu_runtime.tools.video import read_mp4
 
 
 def _req(model, out, **kw):

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tpu_runtime.attention import AttentionConfig, attention_scope, target_platform
+from tpu_runtime.engine.attention import AttentionConfig, attention_scope, target_platform
 
 MOSAIC = "tpu_custom_call"  # how a Pallas kernel lowered for TPU (Mosaic) appears in the compiled program
 
@@ -31,7 +31,7 @@ def _compile_sdpa(mesh, config, tokens=17_776, heads=8, head_dim=64):
     """torch's scaled_dot_product_attention, traced through torchax and our override, compiled for ``mesh``."""
     import torch.nn.functional as F
 
-    from tpu_runtime.runtime import get_runtime
+    from tpu_runtime.engine.runtime import get_runtime
 
     get_runtime()  # imports torchax (tolerating ops newer torch removed) and installs the override
     from torchax.interop import call_torch

@@ -5,9 +5,9 @@ import shutil
 
 import pytest
 
-from tpu_runtime.cogvideox import CogVideoXFamily, SampleSettings, inspect_model_folder
+from tpu_runtime.families.cogvideox.model import CogVideoXFamily, SampleSettings, inspect_model_folder
 from tpu_runtime.errors import InputError, ModelFolderError
-from tpu_runtime.runtime import compile_stats
+from tpu_runtime.engine.runtime import compile_stats
 
 
 @pytest.fixture

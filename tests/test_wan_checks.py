@@ -11,11 +11,11 @@ import torch
 from conftest import WAN_SIZE, subprocess_env
 
 from tpu_runtime.errors import InputError, ModelFolderError
-from tpu_runtime.family import SampleSettings
-from tpu_runtime.generate import GenerateRequest, generate, open_model
-from tpu_runtime.runtime import compile_stats
-from tpu_runtime.tiny import export_comfy_files
-from tpu_runtime.wan import WanFamily
+from tpu_runtime.engine.stages import SampleSettings
+from tpu_runtime.tools.generate import GenerateRequest, generate, open_model
+from tpu_runtime.engine.runtime import compile_stats
+from tpu_runtime.families.wan.tiny import export_comfy_files
+from tpu_runtime.families.wan.model import WanFamily
 
 H, W, F = WAN_SIZE
 
@@ -98,7 +98,7 @@ def test_options_of_another_model_are_refused(wan21, embeds, tiny_models):
     _refused(lambda: wan21.sample(embeds, SampleSettings(**s, dynamic_cfg=True)), "dynamic_cfg")
     _refused(lambda: wan21.sample(embeds, SampleSettings(**s, shift=0.0)), "shift=0.0")
     _refused(lambda: wan21.decode(None, tiling=True), "tiling")
-    from tpu_runtime.cogvideox import CogVideoXFamily
+    from tpu_runtime.families.cogvideox.model import CogVideoXFamily
 
     cog = CogVideoXFamily(tiny_models["2b"], dtype="float32")
     cog_embeds = cog.encode("a cat")
@@ -147,7 +147,7 @@ def test_single_files_are_checked(tiny_wan, tmp_path):
     base = dict(output_dir=str(tmp_path / "out"), prompt="a cat")
 
     def open_files(**kw):
-        return lambda: open_model(GenerateRequest(model=None, **base, **{k: str(v) for k, v in kw.items()}))
+        return lambda: open_model(GenerateRequest(model=None, **base, files={k: str(v) for k, v in kw.items()}))
 
     _refused(open_files(transformer=files["vae"], text_encoder=files["text_encoder"], vae=files["vae"]),
              "not a Wan diffusion model", "diffusion_models")
@@ -160,7 +160,7 @@ def test_single_files_are_checked(tiny_wan, tmp_path):
     _refused(open_files(transformer=files["transformer"], vae=files["vae"]), "--text-encoder")
     _refused(open_files(transformer=tmp_path / "missing.safetensors", text_encoder=files["text_encoder"],
                         vae=files["vae"]), "does not exist")
-    _refused(lambda: open_model(GenerateRequest(model=str(tiny_wan["2.1"]), transformer=str(files["transformer"]),
+    _refused(lambda: open_model(GenerateRequest(model=str(tiny_wan["2.1"]), files={"transformer": str(files["transformer"])},
                                                 **base)), "not both")
     # A diffusers-format transformer file is recognised and pointed to the folder route.
     diffusers_file = tiny_wan["2.1"] / "transformer" / "diffusion_pytorch_model.safetensors"
@@ -172,7 +172,7 @@ def test_fp8_e4m3fn_without_scales_loads_dequantised(tmp_path):
     """ComfyUI's plain fp8_e4m3fn files (no scales) are upcast to the run dtype on load."""
     from safetensors.torch import save_file
 
-    from tpu_runtime.weights import TensorSource
+    from tpu_runtime.engine.weights import TensorSource
 
     w = torch.randn(8, 8) * 0.1
     save_file({"a.weight": w.to(torch.float8_e4m3fn), "b.weight": w.to(torch.float16)}, str(tmp_path / "f.st"))
@@ -188,7 +188,7 @@ def test_vae_names_agree_with_diffusers_converter_on_the_released_2_1_layout():
     from diffusers import AutoencoderKLWan
     from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 
-    from tpu_runtime.tiny import wan_vae_to_original
+    from tpu_runtime.families.wan.tiny import wan_vae_to_original
     with torch.device("meta"):
         vae = AutoencoderKLWan()  # the released 2.1 configuration
     ours_original = {wan_vae_to_original(k, 2, False): k for k in vae.state_dict()}
@@ -197,7 +197,7 @@ def test_vae_names_agree_with_diffusers_converter_on_the_released_2_1_layout():
 
 
 def test_vae_config_is_read_from_the_file(tiny_wan, tmp_path):
-    from tpu_runtime.wan_files import vae_names
+    from tpu_runtime.families.wan.files import vae_names
 
     for generation in ("2.1", "2.2-TI2V-5B"):
         files = export_comfy_files(tiny_wan[generation], tmp_path / generation, "fp16")

@@ -7,9 +7,9 @@ import torch
 from conftest import NEGATIVE, PROMPT, WAN_SIZE
 from oracle import wan_frames
 
-from tpu_runtime import stage_files
-from tpu_runtime.generate import GenerateRequest, generate
-from tpu_runtime.tiny import export_comfy_files
+from tpu_runtime.tools import stage_files
+from tpu_runtime.tools.generate import GenerateRequest, generate
+from tpu_runtime.families.wan.tiny import export_comfy_files
 
 TOL = 1e-4
 H, W, F = WAN_SIZE
@@ -20,7 +20,7 @@ def _ours(tmp_path, model=None, files=None, **kw):
                     seed=42, dtype="float32")
     settings.update(kw)
     generate(GenerateRequest(model=str(model) if model else None, output_dir=str(tmp_path),
-                             **{k: str(v) for k, v in (files or {}).items()}, **settings))
+                             files={k: str(v) for k, v in (files or {}).items()}, **settings))
     return stage_files.load_frames(tmp_path).numpy()
 
 
@@ -54,7 +54,7 @@ def test_no_cfg_and_overridden_shift_match_diffusers(tiny_wan, tmp_path):
 
 def test_two_experts_switch_like_diffusers(tiny_wan, tmp_path):
     """Wan 2.2 A14B: transformer above the boundary, transformer_2 below, each with its own guidance."""
-    from tpu_runtime.wan import WanFamily
+    from tpu_runtime.families.wan.model import WanFamily
 
     folder = tiny_wan["2.2-A14B"]
     family = WanFamily(folder, dtype="float32")
@@ -122,9 +122,9 @@ def test_frame_by_frame_vae_decode_matches_diffusers(tiny_wan, generation):
     count."""
     from diffusers import AutoencoderKLWan
 
-    from tpu_runtime.family import VideoLatents
-    from tpu_runtime.runtime import compile_stats
-    from tpu_runtime.wan import WanFamily
+    from tpu_runtime.engine.stages import VideoLatents
+    from tpu_runtime.engine.runtime import compile_stats
+    from tpu_runtime.families.wan.model import WanFamily
 
     family = WanFamily(tiny_wan[generation], dtype="float32")
     family.decode_loop = "frames"

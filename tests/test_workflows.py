@@ -9,8 +9,8 @@ import torch
 import numpy as np
 from conftest import I2V_SIZES, ROOT, SIZES
 
-from tpu_runtime.tiny import build_tiny_lora, export_comfy_files
-from tpu_runtime.video import read_mp4, write_mp4
+from tpu_runtime.families.wan.tiny import build_tiny_lora, export_comfy_files
+from tpu_runtime.tools.video import read_mp4, write_mp4
 
 WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
 GENERATION = {"cogvideox_2b_t2v_tpu.json": "2b", "cogvideox_5b_t2v_tpu.json": "5b",

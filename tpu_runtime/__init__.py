@@ -1,25 +1,29 @@
-"""TPU video runtime: CogVideoX and Wan on JAX through torchax.
+"""TPU video runtime: open video diffusion models on JAX through torchax.
+
+The package is laid out by role:
+
+- ``engine/``: what every model family shares: the runtime (backend, devices, meshes, compiled programs),
+  sharding, attention, weight loading, schedulers, LoRA, stage values, streamed VAE programs;
+- ``families/``: one package per model family (``cogvideox/``, ``wan/``) and the registry that picks one;
+- ``multihost/``: slices of several hosts (transport, message codec, worker, and the hook the engine calls);
+- ``tools/``: the command line (``generate``, ``demo``, ``bench``, ``plan``, ``worker``), stage files, video.
 
 Importing this package is cheap and touches no device; the runtime starts on first use (``get_runtime``).
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "get_runtime", "CogVideoXFamily", "WanFamily"]
+__all__ = ["__version__", "get_runtime", "open_model"]
 
 
 def __getattr__(name):
     # Lazy: torch, jax and torchax load only when something is used.
     if name == "get_runtime":
-        from .runtime import get_runtime
+        from .engine.runtime import get_runtime
 
         return get_runtime
-    if name == "CogVideoXFamily":
-        from .cogvideox import CogVideoXFamily
+    if name == "open_model":
+        from .families.registry import open_model
 
-        return CogVideoXFamily
-    if name == "WanFamily":
-        from .wan import WanFamily
-
-        return WanFamily
+        return open_model
     raise AttributeError(name)

@@ -1,0 +1,310 @@
+"""The node kinds, written once for every family: Loader (a diffusers folder) and Model Files Loader (ComfyUI's
+single files) → Text Encode [+ Image Encode] → Sampler → Decode, with LoRA between loader and sampler.
+
+``family_nodes(spec)`` makes a family's node classes from its declaration (``FamilySpec.nodes``): class names
+``prefix + kind`` (``TPUWanSampler``), display names ``"<title> <kind> (TPU)"``, the family's types, defaults and
+the inputs only it has. Names, input names and their order are what saved workflows hold: they never change.
+Each node checks its inputs and calls the engine; no model math lives here.
+"""
+
+from __future__ import annotations
+
+from .common import (
+    DEVICE_INPUTS,
+    DTYPE_INPUT,
+    LAYOUT_INPUTS,
+    LoraModel,
+    base_model,
+    decode_latent,
+    image_cond_input,
+    load_model,
+    run_sampler,
+    sampler_inputs,
+)
+
+NONE = "none"
+NO_FILES = "(none found)"
+NO_LORAS = "(no LoRA in models/loras)"
+EXPERTS = ["both", "high noise", "low noise"]
+
+
+def no_models(spec) -> str:
+    """The loader's only choice when no folder of the family is found."""
+    return f"(no {spec.nodes.title} folder found: see model_path)"
+
+
+def _types(spec) -> tuple[str, str, str]:
+    prefix = spec.nodes.type_prefix
+    return f"{prefix}_MODEL", f"{prefix}_EMBEDS", f"{prefix}_IMAGE"
+
+
+class _Node:
+    """What every kind knows: its family (``SPEC``) and that family's types."""
+
+    SPEC = None
+
+    @classmethod
+    def types(cls) -> tuple[str, str, str]:
+        return _types(cls.SPEC)
+
+
+def _device_options(dtype, mesh, attention, vae_sharding, fsdp) -> dict:
+    return dict(dtype=dtype, mesh=mesh.strip() or "auto", attention=attention, vae_sharding=vae_sharding,
+                fsdp=bool(fsdp))
+
+
+class Loader(_Node):
+    """Pick a diffusers folder of the family from ComfyUI's model folders (or give a path); weights load onto the
+    devices the first time a stage needs them, and the same model and settings are loaded once."""
+
+    RETURN_NAMES = ("model",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        from .model_folders import find_models
+
+        names = sorted(find_models(cls.SPEC)) or [no_models(cls.SPEC)]
+        return {
+            "required": {"model": (names, {"tooltip": cls.SPEC.nodes.loader_tooltip}), "dtype": DTYPE_INPUT},
+            "optional": {"model_path": ("STRING", {"default": "", "tooltip": "a folder anywhere (overrides model)"}),
+                         **DEVICE_INPUTS, **LAYOUT_INPUTS},
+        }
+
+    def load(self, model: str, dtype: str, model_path: str = "", mesh: str = "auto", attention: str = "auto",
+             cache_dir: str = "", vae_sharding: str = "auto", fsdp: bool = False):
+        from tpu_runtime.engine.folders import resolve_model_path
+        from tpu_runtime.families import registry
+
+        from .model_folders import folder_path
+
+        folder = str(resolve_model_path(model_path.strip() or str(folder_path(self.SPEC, model))))
+        options = _device_options(dtype, mesh, attention, vae_sharding, fsdp)
+        key = (self.SPEC.name, folder, *options.values())
+        cls = registry.family_class(self.SPEC)
+        return (load_model(key, lambda runtime: cls(folder, runtime=runtime, **options), cache_dir),)
+
+
+class ModelFilesLoader(_Node):
+    """The family from the single files ComfyUI's own templates use, picked from ComfyUI's model folders."""
+
+    RETURN_NAMES = ("model",)
+    FUNCTION = "load"
+
+    @classmethod
+    def _roles(cls) -> dict:
+        return {r.name: r for r in cls.SPEC.file_roles}
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        from .model_folders import find_files
+
+        def names(role, optional=False):
+            found = sorted(find_files(cls._roles()[role].folder))
+            return ([NONE] if optional else []) + (found or ([] if optional else [NO_FILES]))
+
+        spec = cls.SPEC.nodes.files_loader
+        required = {name: (names(role), {"tooltip": tip}) for name, role, tip in spec.required}
+        optional = {}
+        for entry in spec.optional:
+            if entry == "@device":
+                optional.update(DEVICE_INPUTS)
+            elif entry == "@layout":
+                optional.update(LAYOUT_INPUTS)
+            else:
+                name, role, tip = entry
+                optional[name] = (names(role, optional=True), {"default": NONE, "tooltip": tip})
+        return {"required": {**required, "dtype": DTYPE_INPUT}, "optional": optional}
+
+    def load(self, *args, **kwargs):
+        from tpu_runtime.errors import InputError
+        from tpu_runtime.families import registry
+
+        from .model_folders import file_path
+
+        order = [n for n in self.INPUT_TYPES()["required"]] + [n for n in self.INPUT_TYPES()["optional"]]
+        if len(args) > len(order):
+            raise InputError(f"{type(self).__name__}.load takes {len(order)} inputs, got {len(args)}")
+        values = {**dict(zip(order, args)), **kwargs}
+        spec = self.SPEC.nodes.files_loader
+        roles = self._roles()
+        files = {}
+        for entry in spec.required + tuple(e for e in spec.optional if isinstance(e, tuple)):
+            name, role, _ = entry
+            choice = values.get(name, NONE)
+            if choice not in (NONE, "", None):
+                files[role] = file_path(roles[role].folder, choice)
+        options = _device_options(values["dtype"], values.get("mesh", "auto"), values.get("attention", "auto"),
+                                  values.get("vae_sharding", "auto"), values.get("fsdp", False))
+        key = (f"{self.SPEC.name}-files", tuple(sorted((k, str(v)) for k, v in files.items())), *options.values())
+        cls = registry.family_class(self.SPEC)
+        return (load_model(key, lambda runtime: cls(files=files, runtime=runtime, **options),
+                           values.get("cache_dir", "")),)
+
+
+class TextEncode(_Node):
+    """Text-encoder embeddings for a prompt and a negative prompt."""
+
+    RETURN_NAMES = ("embeds",)
+    FUNCTION = "encode"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": (cls.types()[0],), "prompt": ("STRING", {"multiline": True, "default": ""}),
+                             "negative_prompt": ("STRING", {"multiline": True, "default": ""})}}
+
+    def encode(self, model, prompt: str, negative_prompt: str):
+        return (model.encode(prompt, negative_prompt),)
+
+
+class ImageEncode(_Node):
+    """The image encode stage: the first frame (and, for Wan FLF2V, the last) as the sampler takes them, for one
+    video size. Connect ComfyUI's Load Image (or any IMAGE); set the size the sampler will use."""
+
+    RETURN_NAMES = ("image_cond",)
+    FUNCTION = "encode"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        width, height, frames = cls.SPEC.nodes.image_size
+        return {
+            "required": {
+                "model": (cls.types()[0],),
+                "image": ("IMAGE", {"tooltip": "the first frame; resized (stretched, not cropped) to width x height"}),
+                "width": ("INT", {"default": width, "min": 16, "max": 4096, "step": 16,
+                                  "tooltip": "the video's width: set the sampler to the same"}),
+                "height": ("INT", {"default": height, "min": 16, "max": 4096, "step": 16}),
+                "frames": ("INT", {"default": frames, "min": 1, "max": 1024, "step": 1,
+                                   "tooltip": cls.SPEC.nodes.image_frames_tip}),
+            },
+            "optional": {"last_image": ("IMAGE", {"tooltip": "Wan2.1-FLF2V only: the last frame"})},
+        }
+
+    def encode(self, model, image, width, height, frames, last_image=None):
+        from tpu_runtime.engine.images import as_pil
+
+        from .comfy_bridge import progress_bar
+
+        family = base_model(model)
+        family.check_images(image is not None, last_image is not None, ("the image input", "last_image"))
+        first = as_pil(image, "image")
+        last = as_pil(last_image, "last_image") if last_image is not None else None
+        bar = progress_bar(1)
+        cond = family.encode_image(first, last, height=height, width=width, num_frames=frames)
+        if bar is not None:
+            bar.update_absolute(1, 1)
+        return (cond,)
+
+
+class LoRA(_Node):
+    """Adds a LoRA file (ComfyUI's models/loras) at a strength to the model; chain several."""
+
+    RETURN_NAMES = ("model",)
+    FUNCTION = "apply"
+    DESCRIPTION = ("Adds a LoRA at a strength. It is merged into the transformer's weights on the devices when the "
+                   "sampler runs: the sampler's compiled program is unchanged, and a new strength compiles nothing.")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        from .model_folders import find_files
+
+        inputs = {"required": {
+            "model": (cls.types()[0],),
+            "lora_name": (sorted(find_files("loras")) or [NO_LORAS],),
+            "strength": ("FLOAT", {"default": 1.0, "min": -10.0, "max": 10.0, "step": 0.01,
+                                   "tooltip": "1: the LoRA as trained; 0: off; negative: subtracted"}),
+        }}
+        if cls.SPEC.nodes.lora_optional:
+            inputs["optional"] = dict(cls.SPEC.nodes.lora_optional)
+        return inputs
+
+    def apply(self, model, lora_name: str, strength: float, expert: str = "both"):
+        from tpu_runtime.engine.lora import LoraSpec
+        from tpu_runtime.errors import InputError
+
+        from .model_folders import file_path
+
+        family = base_model(model)
+        if expert not in EXPERTS:
+            raise InputError(f"expert {expert!r} must be one of {EXPERTS}")
+        if expert == "low noise" and not family.two_experts:
+            raise InputError(f"{family.label} has one transformer: set expert to 'both' (the low-noise expert is a "
+                             "Wan 2.2 A14B part)")
+        spec = LoraSpec(str(file_path("loras", lora_name)), float(strength))
+        high = expert in ("both", "high noise")
+        low = family.two_experts and expert in ("both", "low noise")
+        targets = {**({"transformer": (spec,)} if high else {}), **({"transformer_2": (spec,)} if low else {})}
+        family.apply_loras(targets, merge=False)  # read and checked now, so a wrong file is reported on this node
+        return (LoraModel(family, getattr(model, "loras", ()) + ((spec,) if high else ()),
+                          getattr(model, "loras_2", ()) + ((spec,) if low else ())),)
+
+
+class Sampler(_Node):
+    """Denoise a video latent: one compiled program per shape, reused for every step and every seed."""
+
+    RETURN_TYPES = ("LATENT",)
+    RETURN_NAMES = ("samples",)
+    FUNCTION = "sample"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        model, embeds, image = cls.types()
+        s = cls.SPEC.nodes.sampler
+        inputs = sampler_inputs(model, embeds, s.width, s.height, s.frames, s.frames_tip, s.guidance,
+                                list(s.schedulers))
+        return {"required": {**inputs, **s.required}, "optional": {**s.optional, **image_cond_input(image)}}
+
+    def sample(self, model, embeds, width, height, frames, steps, guidance, seed, scheduler, image_cond=None,
+               **extra):
+        from tpu_runtime.engine.stages import SampleSettings
+
+        settings = SampleSettings(height, width, frames, steps, guidance, seed,
+                                  None if scheduler == "model default" else scheduler,
+                                  **self.SPEC.nodes.sampler.settings(extra))
+        return run_sampler(model, embeds, settings, image_cond)
+
+
+class Decode(_Node):
+    """VAE decode to an IMAGE batch [frames, H, W, 3] for ComfyUI's CreateVideo / SaveVideo."""
+
+    RETURN_TYPES = ("IMAGE",)
+    RETURN_NAMES = ("frames",)
+    FUNCTION = "decode"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": (cls.types()[0],), "samples": ("LATENT",), **cls.SPEC.nodes.decode_inputs}}
+
+    def decode(self, model, samples, **options):
+        return decode_latent(model, samples, **options)
+
+
+# kind -> (class-name suffix, display-name suffix, the node's description from the spec)
+KINDS = {
+    "Loader": (Loader, "Loader", lambda n: n.loader_description),
+    "ModelFilesLoader": (ModelFilesLoader, "Loader from ComfyUI files", lambda n: n.files_loader.description),
+    "TextEncode": (TextEncode, "Text Encode", lambda n: n.text_encode_doc),
+    "ImageEncode": (ImageEncode, "Image Encode", lambda n: n.image_encode_doc),
+    "LoRA": (LoRA, "LoRA", lambda n: LoRA.DESCRIPTION),
+    "Sampler": (Sampler, "Sampler", lambda n: n.sampler_doc),
+    "Decode": (Decode, "Decode", lambda n: n.decode_doc),
+}
+
+
+def family_nodes(spec) -> tuple[dict, dict]:
+    """The node classes of family ``spec`` and their display names: class name -> class, class name -> title."""
+    classes, titles = {}, {}
+    model, embeds, image = _types(spec)
+    returns = {"Loader": (model,), "ModelFilesLoader": (model,), "TextEncode": (embeds,), "ImageEncode": (image,),
+               "LoRA": (model,)}
+    for kind, (base, title, describe) in KINDS.items():
+        if kind == "ModelFilesLoader" and spec.nodes.files_loader is None:
+            continue
+        name = spec.nodes.prefix + kind
+        attrs = {"SPEC": spec, "CATEGORY": spec.nodes.category, "DESCRIPTION": describe(spec.nodes),
+                 "__doc__": describe(spec.nodes), "__module__": __name__}
+        if kind in returns:
+            attrs["RETURN_TYPES"] = returns[kind]
+        classes[name] = type(name, (base,), attrs)
+        titles[name] = f"{spec.nodes.title} {title} (TPU)"
+    return classes, titles

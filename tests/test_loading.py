@@ -1,0 +1,78 @@
+"""One loading path for every family: modules built with their parameters on ``meta`` and each tensor assigned
+once, the dtypes and float32-kept modules the libraries' own ``from_pretrained`` gives, CogVideoX without
+accelerate and without its warning."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import subprocess_env
+
+from tpu_runtime.engine.family import builder, model_class
+from tpu_runtime.engine.folders import read_config, read_model_index
+from tpu_runtime.engine.weights import TensorSource, keep_fp32_modules, load_into_meta_module, safetensors_files
+
+
+def _ours(folder, name, dtype):
+    library, cls_name = read_model_index(folder)[name]
+    cls = model_class(library, cls_name)
+    source = TensorSource(safetensors_files(folder / name))
+    return load_into_meta_module(builder(cls, read_config(folder / name)), source, {k: k for k in source.keys()},
+                                 dtype, name, keep_fp32=keep_fp32_modules(cls, dtype))
+
+
+def _theirs(folder, name, dtype):
+    library, cls_name = read_model_index(folder)[name]
+    return model_class(library, cls_name).from_pretrained(folder / name, dtype=dtype).eval()
+
+
+def _tensors(module):
+    named = dict(module.named_parameters(remove_duplicate=False))
+    named.update({f"buffer:{k}": v for k, v in module.named_buffers(remove_duplicate=False)})
+    return named
+
+
+@pytest.mark.parametrize("model, name", [("cog-2b", "transformer"), ("cog-5b", "transformer"),
+                                         ("cog-5b", "text_encoder"), ("cog-5b", "vae"), ("wan", "transformer"),
+                                         ("wan", "text_encoder")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_weights_equal_the_libraries_from_pretrained(tiny_models, tiny_wan, model, name, dtype):
+    """Every parameter and buffer: same names, dtypes (Wan's ``_keep_in_fp32_modules`` stay float32 in bfloat16;
+    transformers keeps T5's only for float16) and values as diffusers' / transformers' own loader."""
+    folder = {"cog-2b": tiny_models["2b"], "cog-5b": tiny_models["5b"], "wan": tiny_wan["2.1"]}[model]
+    ours, theirs = _tensors(_ours(folder, name, dtype)), _tensors(_theirs(folder, name, dtype))
+    assert sorted(ours) == sorted(theirs)
+    for key, tensor in theirs.items():
+        assert ours[key].dtype == tensor.dtype, key
+        assert torch.equal(ours[key], tensor), key
+    if model == "wan" and name == "transformer" and dtype == torch.bfloat16:
+        assert ours["scale_shift_table"].dtype == torch.float32  # diffusers' _keep_in_fp32_modules
+
+
+def test_a_tied_embedding_is_one_tensor(tiny_models):
+    """T5's token embedding is stored once (``shared.weight``) and used twice: one tensor, one device copy."""
+    t5 = _ours(tiny_models["5b"], "text_encoder", torch.float32)
+    assert t5.encoder.embed_tokens.weight is t5.shared.weight
+
+
+_CHILD = r"""
+import logging, sys
+for name in ("accelerate", "peft"):  # as if not installed (peft needs accelerate): import fails, find_spec is None
+    sys.modules[name] = None
+logging.basicConfig(level=logging.INFO)
+from tpu_runtime.families.cogvideox.model import CogVideoXFamily
+family = CogVideoXFamily(sys.argv[1], dtype="bfloat16")
+for name in ("text_encoder", "transformer", "vae"):
+    family._component(name)
+states = family._states["text_encoder"]
+print("OK", states["shared.weight"] is states["encoder.embed_tokens.weight"], sys.modules["accelerate"] is not None)
+"""
+
+
+def test_cogvideox_loads_without_accelerate_and_says_nothing_of_it(tiny_models):
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(tiny_models["5b"])], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["OK", "True", "False"]
+    assert "accelerate" not in proc.stderr.lower()

@@ -1,0 +1,290 @@
+"""LoRA files merged into a model's weights on the devices.
+
+One reader for the formats found in ComfyUI's ``models/loras/``, resolving every name against the model's own
+modules (no per-format tables):
+
+- ComfyUI / original Wan names: ``diffusion_model.blocks.0.self_attn.q.lora_down.weight`` / ``.lora_up.weight`` /
+  ``.alpha``, or ``.lora_A.weight`` / ``.lora_B.weight``; ``.diff`` (a full weight difference, e.g. norms) and
+  ``.diff_b`` (a bias difference), as the lightx2v distillation LoRAs carry;
+- kohya / musubi-tuner: ``lora_unet_blocks_0_self_attn_q.lora_down.weight`` with ``.alpha``;
+- diffusers / PEFT: ``transformer.blocks.0.attn1.to_q.lora_A.weight`` / ``lora_B.weight`` (``lora_B.bias``),
+  which is also how CogVideoX LoRAs ship.
+
+A low-rank pair adds ``strength × alpha / rank × up @ down`` to the weight (``alpha / rank`` is 1 without an
+alpha, as PEFT saves them); a difference adds ``strength × diff``. Keys that name nothing in the model are listed
+in a warning; a LoRA that matches nothing, or whose shapes are another size's, is refused.
+
+Merging (``LoraMerger``) happens on the devices, each weight under its own sharding, from a copy of the unmerged
+weight kept in host memory the first time a LoRA touches it: every change (add, remove, re-weight) recomputes the
+touched weights from those copies, so nothing drifts and removing every LoRA gives back the loaded weights
+exactly without reading the model files again. The device holds one copy of each weight (plus one weight's
+worth while it is merged); the merge programs depend only on shapes and ranks, so a new strength compiles nothing
+and the sampler's step program is the one compiled without LoRA.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import InputError
+
+log = logging.getLogger(__name__)
+
+# Prefixes before the module name, longest first; one is removed.
+PREFIXES = ("model.diffusion_model.", "diffusion_model.", "base_model.model.", "transformer.", "lora_unet_",
+            "unet.")
+# Key endings after the module name and what they hold.
+ROLES = ((".lora_down.weight", "down"), (".lora_A.weight", "down"), (".lora_up.weight", "up"),
+         (".lora_B.weight", "up"), (".lora_B.bias", "diff_b"), (".alpha", "alpha"), (".diff_b", "diff_b"),
+         (".diff", "diff"), (".dora_scale", "dora"))
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A LoRA file and its strength."""
+
+    path: str
+    strength: float = 1.0
+
+    def __post_init__(self):
+        if not isinstance(self.strength, (int, float)) or isinstance(self.strength, bool) or \
+                not math.isfinite(self.strength):
+            raise InputError(f"LoRA strength {self.strength!r} for {self.path} must be a finite number "
+                             "(1.0 is the file's own strength, 0 turns it off)")
+
+
+def parse_lora(text: str) -> LoraSpec:
+    """``FILE[:STRENGTH]`` as the CLI takes it (a path may contain ':'; only a number after the last one is a
+    strength)."""
+    path, sep, tail = text.rpartition(":")
+    if sep and path:
+        try:
+            return LoraSpec(path, float(tail))
+        except ValueError:
+            pass
+    return LoraSpec(text, 1.0)
+
+
+@dataclass
+class Update:
+    """What one LoRA file changes in one weight: low-rank pairs (``up`` [out, r], ``down`` [r, in], times
+    ``scale`` = alpha / rank) and full differences."""
+
+    pairs: list[tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=list)
+    diffs: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class LoraFile:
+    path: Path
+    updates: dict[str, Update]  # weight name in the model -> update
+    unmatched: list[str]  # keys of the file that name nothing in the model
+
+
+def name_aliases(param_names: Iterable[str], original: Callable[[str], str] | None = None) -> dict[str, str]:
+    """Every way a LoRA file may name a module (or a bare parameter) of the model -> its name in the model:
+    the model's own names, the original checkpoint's names (``original`` maps one to the other), and both with
+    dots written as underscores (kohya)."""
+    aliases: dict[str, str] = {}
+    for param in param_names:
+        theirs = original(param) if original is not None else param
+        owners = [param] + [param[: -len(s)] for s in (".weight", ".bias") if param.endswith(s)]
+        for name in owners:
+            tail = param[len(name):]
+            forms = {name}
+            if theirs.endswith(tail):
+                forms.add(theirs[: len(theirs) - len(tail)])
+            for form in list(forms):
+                forms.add(form.replace(".", "_"))
+            for form in forms:
+                aliases.setdefault(form, name)
+    return aliases
+
+
+def _split_key(key: str) -> tuple[str, str] | None:
+    for prefix in PREFIXES:
+        if key.startswith(prefix):
+            key = key[len(prefix):]
+            break
+    for ending, role in ROLES:
+        if key.endswith(ending):
+            return key[: -len(ending)], role
+    return None
+
+
+def _guess_family(keys: Sequence[str]) -> str:
+    text = " ".join(keys[:200])
+    if "transformer_blocks" in text:
+        return "CogVideoX (or another diffusers DiT)"
+    if re.search(r"blocks[._]\d+[._](self_attn|cross_attn|attn1|attn2|ffn)", text):
+        return "Wan"
+    if "double_blocks" in text or "single_blocks" in text:
+        return "Flux or HunyuanVideo"
+    if "down_blocks" in text or "input_blocks" in text or "lora_te" in text:
+        return "Stable Diffusion"
+    return "an unknown model"
+
+
+def read_lora(path: str | Path, params: dict[str, tuple[int, ...]], aliases: dict[str, str],
+              model: str, family: str) -> LoraFile:
+    """Read a LoRA file and match it to the model's weights ``params`` (name -> shape). Refuses a file that is
+    missing or unreadable, matches nothing (another family's LoRA) or has another size's shapes."""
+    from safetensors.torch import load_file
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise InputError(f"LoRA file {path} not found: give the path of a .safetensors LoRA (ComfyUI keeps them "
+                         "in models/loras/)")
+    try:
+        tensors = load_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - safetensors raises several kinds
+        raise InputError(f"LoRA file {path} cannot be read as safetensors ({exc}): re-download it") from None
+    groups: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
+    unmatched: list[str] = []
+    for key, value in tensors.items():
+        split = _split_key(key)
+        if split is None:
+            unmatched.append(key)
+            continue
+        module, role = split
+        groups.setdefault(module, {})[role] = (key, value)
+
+    updates: dict[str, Update] = {}
+    wrong_size: list[str] = []
+    for module, roles in groups.items():
+        target = aliases.get(module)
+        if target is None:
+            unmatched.extend(key for key, _ in roles.values())
+            continue
+        if "dora" in roles:
+            raise InputError(f"LoRA {path.name} is a DoRA (it has {roles['dora'][0]}), which this pack does not "
+                             "merge: use a plain LoRA")
+        weight = f"{target}.weight" if f"{target}.weight" in params else target
+        if "down" in roles or "up" in roles:
+            if "down" not in roles or "up" not in roles:
+                have = ("down", "up")["up" in roles]
+                raise InputError(f"LoRA {path.name}: {roles[have][0]} has no matching "
+                                 f"lora_{'up' if have == 'down' else 'down'} / lora_{'B' if have == 'down' else 'A'}"
+                                 ": the file is incomplete")
+            down, up = roles["down"][1], roles["up"][1]
+            rank = down.shape[0]
+            shape = params.get(weight)
+            if shape is None or up.shape[0] != shape[0] or up.ndim < 2 or up.shape[1] != rank or \
+                    up.shape[0] * down[0].numel() != math.prod(shape):
+                wrong_size.append(f"{weight}: {tuple(shape) if shape else 'no weight'} here, the LoRA's "
+                                  f"{roles['up'][0]} is {tuple(up.shape)} and its down is {tuple(down.shape)}")
+                continue
+            alpha = float(roles["alpha"][1].item()) if "alpha" in roles else float(rank)
+            up2, down2 = up.reshape(up.shape[0], rank), down.reshape(rank, -1)
+            updates.setdefault(weight, Update()).pairs.append((up2, down2, alpha / rank))
+        elif "alpha" in roles:
+            unmatched.append(roles["alpha"][0])
+        for role, name in (("diff", weight), ("diff_b", f"{target}.bias")):
+            if role not in roles:
+                continue
+            key, value = roles[role]
+            if name not in params:
+                unmatched.append(key)
+            elif tuple(value.shape) != tuple(params[name]):
+                wrong_size.append(f"{name}: {tuple(params[name])} here, the LoRA's {key} is {tuple(value.shape)}")
+            else:
+                updates.setdefault(name, Update()).diffs.append(value)
+    if wrong_size:
+        listed = "; ".join(wrong_size[:3]) + (f"; and {len(wrong_size) - 3} more" if len(wrong_size) > 3 else "")
+        raise InputError(f"LoRA {path.name} does not fit {model}: {listed}. It was trained for another size of "
+                         f"the model: pick the LoRA made for this one")
+    if not updates:
+        keys = list(tensors)
+        raise InputError(f"LoRA {path.name} matches none of {model}'s transformer weights ({len(keys)} keys, e.g. "
+                         f"{', '.join(keys[:3])}); it looks like a LoRA for {_guess_family(keys)}, not {family}")
+    if unmatched:
+        log.warning("LoRA %s: %d keys match nothing in %s and are not applied: %s", path.name, len(unmatched),
+                    model, ", ".join(sorted(unmatched)))
+    return LoraFile(path, updates, sorted(unmatched))
+
+
+class LoraMerger:
+    """The LoRAs merged into one component's weights (a dict name -> device array, changed in place)."""
+
+    def __init__(self, runtime, component: str):
+        self.runtime = runtime
+        self.component = component
+        self.base: dict[str, np.ndarray] = {}  # host copies of the unmerged weights any LoRA has touched
+        self.touched: set[str] = set()
+        self.applied: tuple = ()
+        self.files: list[LoraFile] = []
+        self._read: dict[tuple, LoraFile] = {}
+
+    def read(self, spec: LoraSpec, read: Callable[[str], LoraFile]) -> tuple[tuple, LoraFile]:
+        path = Path(spec.path).expanduser()
+        stat = path.stat() if path.is_file() else None
+        key = (str(path.resolve()) if stat else str(path), stat.st_mtime_ns if stat else 0,
+               stat.st_size if stat else 0)
+        if key not in self._read or stat is None:
+            self._read[key] = read(spec.path)
+        return key, self._read[key]
+
+    def apply(self, state: dict, specs: Sequence[LoraSpec], read: Callable[[str], LoraFile]) -> bool:
+        """Make ``state`` the loaded weights plus ``specs``. Every file is read and checked before any weight
+        changes. Returns whether anything changed."""
+        read_files = [(self.read(spec, read), spec.strength) for spec in specs]
+        wanted = tuple((key, float(strength)) for (key, _), strength in read_files)
+        if wanted == self.applied:
+            return False
+        plan: dict[str, list[tuple[Update, float]]] = {}
+        for (_, lora), strength in read_files:
+            for name, update in lora.updates.items():
+                plan.setdefault(name, []).append((update, float(strength)))
+        for name in plan:
+            if name not in self.base:  # first touch: keep the loaded weight on the host
+                self.base[name] = self.runtime.host_numpy(state[name])
+        for name in self.touched - set(plan):  # no longer touched: the loaded weight again
+            state[name] = self.runtime.put(self.base[name], state[name].sharding)
+        for name, updates in plan.items():
+            state[name] = self._merged(name, state[name].sharding, updates)
+        self.touched = set(plan)
+        self.applied = wanted
+        self.files = [lora for (_, lora), _ in read_files]
+        return True
+
+    def _merged(self, name: str, sharding, updates: list[tuple[Update, float]]):
+        import jax
+
+        ups, downs, scales, diffs, diff_scales = [], [], [], [], []
+        for update, strength in updates:
+            for up, down, scale in update.pairs:
+                ups.append(up.float())
+                downs.append(down.float())
+                scales.append(scale * strength)
+            for diff in update.diffs:
+                diffs.append(diff.float())
+                diff_scales.append(strength)
+        base = self.runtime.put(self.base[name], sharding)
+        replicated = self.runtime.sharding(sharding.mesh)
+        args = (base, self.runtime.put(ups, replicated), self.runtime.put(downs, replicated),
+                self.runtime.put(diffs, sharding), self.runtime.put(np.array(scales, np.float32), replicated),
+                self.runtime.put(np.array(diff_scales, np.float32), replicated))
+        key = ("lora-merge", tuple(base.shape), str(base.dtype), str(sharding.spec),
+               tuple(sharding.mesh.shape.items()), tuple(d.id for d in sharding.mesh.devices.flat),
+               tuple(tuple(u.shape) + tuple(d.shape) for u, d in zip(ups, downs)), len(diffs))
+
+        def merge(base, ups, downs, diffs, scales, diff_scales):
+            import jax.numpy as jnp
+
+            total = base.astype(jnp.float32)
+            for i, (up, down) in enumerate(zip(ups, downs)):
+                total = total + (scales[i] * (up @ down)).reshape(base.shape)
+            for i, diff in enumerate(diffs):
+                total = total + diff_scales[i] * diff
+            return jax.lax.with_sharding_constraint(total.astype(base.dtype), sharding)
+
+        executable = self.runtime.compiled(key, merge, *args, describe=f"LoRA merge for {base.shape} weights")
+        return executable(*args)

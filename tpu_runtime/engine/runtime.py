@@ -1,0 +1,389 @@
+"""The process-wide runtime: JAX backend and devices, the mesh, torchax, compile caches, transfers.
+
+Everything that touches a device goes through one ``Runtime``. It is created on first use (``get_runtime``), not
+at import: ComfyUI imports every pack at start-up and a TPU can be held by one process only.
+
+What leaves the runtime are CPU torch tensors and plain Python values; torchax tensors and jax arrays stay inside
+the model-family code that asked for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Hashable
+
+import numpy as np
+import torch
+
+from .dtypes import host_array, jax_dtype
+from .sharding import AXES as MESH_AXES
+from .sharding import MeshSpec
+
+log = logging.getLogger(__name__)
+
+CACHE_DIR_ENV = "TPU_VIDEO_CACHE_DIR"
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+def default_cache_dir() -> Path:
+    """The persistent XLA compilation cache directory: ``$TPU_VIDEO_CACHE_DIR`` or a per-user cache folder."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tpu_video_nodes" / "xla_cache"
+
+
+@dataclass
+class CompileStats:
+    """Counts of compiled programs, process-wide, from JAX's own monitoring events.
+
+    ``backend_compiles`` counts every XLA executable JAX built or fetched from the persistent cache;
+    ``persistent_cache_hits`` those fetched from disk. ``xla_compiles`` is what was really compiled.
+    """
+
+    backend_compiles: int = 0
+    persistent_cache_hits: int = 0
+    compile_seconds: float = 0.0
+
+    @property
+    def xla_compiles(self) -> int:
+        return self.backend_compiles - self.persistent_cache_hits
+
+    def snapshot(self) -> "CompileStats":
+        return CompileStats(self.backend_compiles, self.persistent_cache_hits, self.compile_seconds)
+
+    def since(self, earlier: "CompileStats") -> "CompileStats":
+        return CompileStats(
+            self.backend_compiles - earlier.backend_compiles,
+            self.persistent_cache_hits - earlier.persistent_cache_hits,
+            self.compile_seconds - earlier.compile_seconds,
+        )
+
+
+_STATS = CompileStats()
+_listeners_installed = False
+
+
+def _install_compile_listeners() -> None:
+    global _listeners_installed
+    if _listeners_installed:
+        return
+    import jax.monitoring
+
+    def on_duration(event: str, duration: float, **_: Any) -> None:
+        if event == _BACKEND_COMPILE_EVENT:
+            _STATS.backend_compiles += 1
+            _STATS.compile_seconds += duration
+
+    def on_event(event: str, **_: Any) -> None:
+        if event == _CACHE_HIT_EVENT:
+            _STATS.persistent_cache_hits += 1
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    jax.monitoring.register_event_listener(on_event)
+    _listeners_installed = True
+
+
+def compile_stats() -> CompileStats:
+    """A copy of the process-wide compile counters."""
+    return _STATS.snapshot()
+
+
+@dataclass
+class CompiledProgram:
+    """One entry of the in-memory program table."""
+
+    executable: Any
+    compile_seconds: float
+    memory: dict[str, int] = field(default_factory=dict)
+
+
+class Runtime:
+    """Owns the backend, the device mesh, the torchax environment and the compiled-program table."""
+
+    def __init__(self, cache_dir: str | os.PathLike | None = None):
+        import jax
+
+        from .._torchax_compat import import_torchax
+
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", str(self.cache_dir))
+        # Cache every program: tiny CPU programs too, so behaviour is the same on every backend.
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        _install_compile_listeners()
+        # torch code asks for int64/float64; JAX without x64 uses int32/float32, which is what we want.
+        warnings.filterwarnings("ignore", message="Explicitly requested dtype (int64|float64)")
+
+        # A multi-host slice is joined before anything starts a JAX backend (TPU_VIDEO_MULTIHOST, multihost/).
+        from ..multihost.hooks import join_from_environment
+
+        self.slice = join_from_environment()
+
+        self.torchax = import_torchax()
+        self.env = self.torchax.default_env()
+        self.devices = jax.devices()  # every process's devices in a slice: meshes span them all
+        self.local_devices = jax.local_devices()
+        self.backend = jax.default_backend()
+        self._meshes: dict[tuple, Any] = {}
+        self.mesh = self.make_mesh(MeshSpec(tp=len(self.devices)))  # the default for placement without a model
+        self._programs: dict[Hashable, CompiledProgram] = {}
+        self._lock = threading.RLock()
+        # scaled_dot_product_attention without an L x L score matrix (see attention.py).
+        from .attention import sdpa_override
+
+        self.env.override_op_definition(torch.nn.functional.scaled_dot_product_attention, sdpa_override)
+        log.info(
+            "runtime ready: backend=%s, %d device(s) [%s]%s, compilation cache %s",
+            self.backend, len(self.devices), self.devices[0].device_kind,
+            f" in {self.slice.processes} processes" if self.slice else "", self.cache_dir,
+        )
+        if self.slice is not None:
+            import atexit
+
+            atexit.register(self.slice.close)  # after jax.distributed's own exit handler was registered: runs first
+
+    # --- devices and placement -------------------------------------------------------------------------------
+    def make_mesh(self, spec: "MeshSpec", devices=None):
+        """The ``jax.sharding.Mesh`` with axes (dp, sp, tp) of ``spec``'s sizes over ``devices`` (default: this
+        process's devices; a TPU topology's abstract devices make a mesh to compile for but not run on)."""
+        from jax.sharding import Mesh
+
+        from ..errors import InputError
+
+        devices = list(self.devices if devices is None else devices)
+        if spec.devices != len(devices):
+            raise InputError(
+                f"mesh {spec} uses {spec.devices} devices but {len(devices)} are available: choose sizes "
+                f"whose product is {len(devices)}"
+            )
+        key = (spec.sizes, tuple(id(d) for d in devices))
+        if key not in self._meshes:
+            self._meshes[key] = Mesh(np.asarray(devices).reshape(spec.sizes), MESH_AXES)
+        return self._meshes[key]
+
+    @staticmethod
+    def sharding(mesh, spec: tuple = ()):
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        return NamedSharding(mesh, PartitionSpec(*spec))
+
+    def put(self, value: Any, sharding=None):
+        """Move CPU torch tensors / numpy arrays (any pytree of them) onto the devices; replicated unless told.
+
+        Host arrays go straight to ``jax.device_put``: lifting them with ``jnp.asarray`` first (as torchax's
+        ``t2j`` does) compiles a small program for every distinct shape, dozens per model. On a mesh that spans
+        several processes each process places only its own devices' shards (every process holds the same value).
+        """
+        import jax
+
+        sharding = sharding or self.sharding(self.mesh)
+        local = sharding.is_fully_addressable
+
+        def to_device(x):
+            if isinstance(x, torch.Tensor):
+                x = host_array(x)
+            if local:
+                return jax.device_put(x, sharding)
+            x = np.asarray(x)
+            return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+        return jax.tree_util.tree_map(
+            to_device, value, is_leaf=lambda x: isinstance(x, (torch.Tensor, np.ndarray))
+        )
+
+    @staticmethod
+    def host_numpy(x) -> np.ndarray:
+        """A jax array as a numpy array on the host. An array split over several processes' devices is gathered
+        (every process of the slice makes this call)."""
+        if x.is_fully_addressable or x.is_fully_replicated:
+            return np.array(x)
+        from jax.experimental import multihost_utils
+
+        return np.array(multihost_utils.process_allgather(x, tiled=True))
+
+    @classmethod
+    def to_cpu(cls, value: Any) -> Any:
+        """Bring jax arrays (any pytree of them) back as CPU torch tensors (copies, writable)."""
+        import jax
+
+        def to_torch(x):
+            if not isinstance(x, jax.Array):
+                return x
+            array = cls.host_numpy(x)
+            if array.dtype.name == "bfloat16":
+                return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+            return torch.from_numpy(array)
+
+        return jax.tree_util.tree_map(to_torch, value)
+
+    # --- torch modules as jax functions -----------------------------------------------------------------------
+    @staticmethod
+    def _named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+        # Every name, tied weights included (T5's embeddings).
+        named = list(module.named_parameters(remove_duplicate=False))
+        return named + list(module.named_buffers(remove_duplicate=False))
+
+    def module_state(self, module: torch.nn.Module, mesh=None, rules=(), fsdp: bool = False) -> dict[str, Any]:
+        """The module's parameters and buffers on the devices, each placed by the first matching sharding rule
+        (regex on the name -> PartitionSpec), replicated when none matches."""
+        from .sharding import partition_specs
+
+        mesh = mesh or self.mesh
+        named = self._named_tensors(module)
+        specs = partition_specs({n: tuple(t.shape) for n, t in named}, rules, dict(mesh.shape), fsdp)
+        moved: dict[int, Any] = {}  # each distinct tensor moved once
+        state = {}
+        for name, tensor in named:
+            if id(tensor) not in moved:
+                moved[id(tensor)] = self.put(tensor.detach(), self.sharding(mesh, specs[name]))
+            state[name] = moved[id(tensor)]
+        return state
+
+    def abstract_state(self, module: torch.nn.Module, mesh, rules=(), fsdp: bool = False) -> dict[str, Any]:
+        """What ``module_state`` would place, as ``jax.ShapeDtypeStruct``s with the same shardings, for a module
+        whose tensors may be on ``meta``: compiling against it needs no weights and no devices to run on."""
+        import jax
+
+        from .sharding import partition_specs
+
+        named = self._named_tensors(module)
+        specs = partition_specs({n: tuple(t.shape) for n, t in named}, rules, dict(mesh.shape), fsdp)
+        structs: dict[int, Any] = {}  # tied weights share one struct, as they share one device array
+        for name, t in named:
+            if id(t) not in structs:
+                structs[id(t)] = jax.ShapeDtypeStruct(tuple(t.shape), jax_dtype(t.dtype),
+                                                      sharding=self.sharding(mesh, specs[name]))
+        return {name: structs[id(t)] for name, t in named}
+
+    def module_function(self, module: torch.nn.Module, method: "str | Callable" = "forward") -> Callable:
+        """``fn(state, *args, **kwargs)`` over jax values that runs ``module.<method>`` through torchax (or
+        ``method(module, *args, **kwargs)`` when ``method`` is a function).
+
+        ``state`` is what ``module_state`` returned (or any dict of the same names); the module's own tensors are
+        not used, so its CPU weights may be freed once the state is on the devices. The state names every
+        parameter, tied ones too (T5's embedding under both its names, one device array), so each is given its
+        value by name (``tie_weights=False``): traced, the two names are two inputs of the same array.
+        """
+        env = self.env
+        caller = _MethodCall(module, method)
+
+        def fn(state, *args, **kwargs):
+            state, args, kwargs = env.j2t_iso((state, args, kwargs))
+            state = {f"inner.{k}": v for k, v in state.items()}
+            with env:
+                out = torch.func.functional_call(caller, state, args, kwargs, strict=False, tie_weights=False)
+            return env.t2j_iso(out)
+
+        return fn
+
+    # --- compiled programs ------------------------------------------------------------------------------------
+    def compiled(self, key: Hashable, fn: Callable, *example_args, describe: str = "", static: dict | None = None):
+        """The compiled program for ``key``, compiling ``fn`` on ``example_args`` (arrays or shape structs) once.
+
+        The key must name everything that changes the program: family, stage, static options, shapes, dtypes,
+        mesh, attention settings. Shardings come from the example arguments.
+        """
+        full_key = key
+        with self._lock:
+            program = self._programs.get(full_key)
+            if program is not None:
+                return program.executable
+            log.info("compiling %s (first run with this shape only; later runs reuse it)", describe or key)
+            start = time.perf_counter()
+            executable = lower(fn, *example_args, static=static).compile()
+            seconds = time.perf_counter() - start
+            program = CompiledProgram(executable, seconds, _memory_analysis(executable))
+            self._programs[full_key] = program
+            log.info("compiled %s in %.1f s", describe or key, seconds)
+            return executable
+
+    def program_info(self, key: Hashable) -> CompiledProgram | None:
+        return self._programs.get(key)
+
+    @property
+    def program_count(self) -> int:
+        return len(self._programs)
+
+    def clear_programs(self) -> None:
+        with self._lock:
+            self._programs.clear()
+
+
+def lower(fn: Callable, *example_args, static: dict | None = None):
+    """``fn`` traced (through torchax where it calls torch) and lowered for the shardings of ``example_args``:
+    arrays or ``jax.ShapeDtypeStruct``s, on this process's devices or a topology's it cannot run on."""
+    import jax
+
+    jitted = jax.jit(fn, static_argnames=tuple(static) if static else ())
+    with tracing():
+        return jitted.lower(*example_args, **(static or {}))
+
+
+@contextlib.contextmanager
+def tracing():
+    """What tracing torch code through torchax needs, around every trace (``lower``, ``jax.eval_shape``).
+
+    ComfyUI runs nodes under torch.inference_mode(), which skips the autograd dispatch key where torch
+    decomposes composite ops (aten::dropout, aten::conv3d, ...) that torchax has no lowering for. Trace in plain
+    no-grad mode instead: same numbers, every op decomposed as torchax expects."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
+class _MethodCall(torch.nn.Module):
+    """Lets ``torch.func.functional_call`` run a method other than ``forward`` (e.g. ``vae.decode``)."""
+
+    def __init__(self, module: torch.nn.Module, method: "str | Callable"):
+        super().__init__()
+        self.inner = module
+        self.method = method
+
+    def forward(self, *args, **kwargs):
+        if callable(self.method):
+            return self.method(self.inner, *args, **kwargs)
+        return getattr(self.inner, self.method)(*args, **kwargs)
+
+
+def _memory_analysis(executable) -> dict[str, int]:
+    try:
+        m = executable.memory_analysis()
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        return {}
+    if m is None:
+        return {}
+    names = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "generated_code_size_in_bytes")
+    return {n: int(getattr(m, n, 0)) for n in names}
+
+
+_runtime: Runtime | None = None
+_runtime_lock = threading.Lock()
+
+
+def get_runtime(cache_dir: str | os.PathLike | None = None) -> Runtime:
+    """The process-wide runtime, created on first call. Later calls may not ask for another cache directory."""
+    global _runtime
+    with _runtime_lock:
+        if _runtime is None:
+            _runtime = Runtime(cache_dir=cache_dir)
+            return _runtime
+        if cache_dir is not None and Path(cache_dir).expanduser() != _runtime.cache_dir:
+            raise ValueError(
+                f"the runtime already uses compilation cache {_runtime.cache_dir}; a process has one cache "
+                f"directory, so {cache_dir} cannot be used too: restart to change it"
+            )
+        return _runtime
+
+
+def runtime_started() -> bool:
+    return _runtime is not None

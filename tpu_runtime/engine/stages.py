@@ -1,0 +1,124 @@
+"""The values passed between stages, one generation's settings, and a stage's program as the runtime compiles it.
+
+Stage values are CPU torch tensors in small dataclasses: ComfyUI can hold and cache them, the stage files write
+and read them, and a multi-host slice names them by id. Nothing here touches a device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class TextEmbeddings:
+    """Stage 1 output: text-encoder embeddings for the prompt and the negative prompt, CPU tensors ``[1, L, D]``."""
+
+    prompt_embeds: torch.Tensor
+    negative_prompt_embeds: torch.Tensor
+    prompt: str
+    negative_prompt: str
+    model_signature: str
+
+
+@dataclass
+class VideoLatents:
+    """Stage 2 output: denoised latents ``[B, C, T, h, w]`` float32 on CPU, before the VAE's scaling."""
+
+    latents: torch.Tensor
+    height: int
+    width: int
+    num_frames: int
+    model_signature: str
+
+
+@dataclass
+class ImageConditioning:
+    """Image-encode output: what sampling takes from the first (and last) image, CPU tensors, for one video size.
+
+    ``latents``: the VAE encoding of the conditioning (CogVideoX: the image posterior's mean ``[1, C, 1, h, w]``;
+    Wan: the normalised latent condition, with its frame mask in front for the models that concatenate it);
+    ``latents_std``: CogVideoX only, the posterior's std: sampling draws ``mean + std * noise`` from the seed as
+    its first random draw, as diffusers does; ``image_embeds``: Wan 2.1 I2V / FLF2V, the CLIP vision hidden
+    states ``[images, 257, 1280]``."""
+
+    latents: torch.Tensor
+    height: int
+    width: int
+    num_frames: int
+    model_signature: str
+    latents_std: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
+    last_image: bool = False
+
+
+STAGE_VALUES = (TextEmbeddings, VideoLatents, ImageConditioning)
+
+
+@dataclass
+class SampleSettings:
+    """One generation's sampling settings. Options a model does not have are refused by its family, not ignored."""
+
+    height: int
+    width: int
+    num_frames: int
+    steps: int = 50
+    guidance: float = 6.0
+    seed: int = 0
+    scheduler: str | None = None  # None: the model's own
+    dynamic_cfg: bool = False  # CogVideoX only
+    shift: float | None = None  # Wan: flow shift; None: the model's scheduler config
+    guidance_2: float | None = None  # Wan 2.2 two experts: guidance of the low-noise expert (default: guidance)
+    boundary: float | None = None  # Wan 2.2 two experts: boundary ratio (default: the model's)
+    loras: tuple = ()  # LoraSpec: merged into the transformer (Wan 2.2 two experts: the high-noise expert)
+    loras_2: tuple = ()  # LoraSpec: Wan 2.2 two experts only: merged into the low-noise expert
+
+
+@dataclass
+class StageProgram:
+    """One stage's program as the runtime compiles it. ``example`` holds the weights' states as placed (or their
+    shape structs when planning) and every other input as a ``jax.ShapeDtypeStruct`` placed on the mesh;
+    ``scope`` is what tracing needs around it (attention settings, module replacements); ``components`` names the
+    weights it reads; ``part`` tells apart the programs of a stage that has several (a streamed decode's first
+    chunks and each later chunk)."""
+
+    stage: str
+    fn: Callable
+    example: tuple
+    key: tuple
+    describe: str
+    scope: Callable[[], contextlib.AbstractContextManager]
+    components: tuple[str, ...]
+    part: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.stage}_{self.part}" if self.part else self.stage
+
+
+@dataclass
+class StageTimings:
+    """Seconds spent per stage, split into compile and run, and how many XLA programs each compiled."""
+
+    load: float = 0.0
+    compile: dict[str, float] = field(default_factory=dict)
+    run: dict[str, float] = field(default_factory=dict)
+    compiles: dict[str, int] = field(default_factory=dict)
+    lora: float = 0.0  # seconds spent merging LoRAs into the weights (reading the files included)
+    cache_hits: dict[str, int] = field(default_factory=dict)
+    programs: dict[str, object] = field(default_factory=dict)  # each stage's latest CompiledProgram (time, memory)
+
+
+def config_signature(configs: dict[str, dict]) -> str:
+    """A short hash of component configs: stage files record it, so files from another model are refused."""
+    h = hashlib.sha256()
+    for name in sorted(configs):
+        config = {k: v for k, v in configs[name].items()
+                  if not k.startswith("_") and k not in ("torch_dtype", "dtype")}
+        h.update(name.encode() + json.dumps(config, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,237 @@
+"""Loading safetensors weights into a torch module without building it twice: the one loading path of every
+family.
+
+A model is built with its parameters on the ``meta`` device (no memory, no random init) and its buffers real
+(RoPE tables, position ids: what the library computes at construction and no file stores), under the run dtype
+as the library's own ``from_pretrained`` builds it. Then every tensor is read from the file (memory-mapped),
+dequantised if needed, cast to the run dtype (or kept float32 where the model class says so, by the same rule
+as its library) and assigned in place: host memory peaks at about one copy of the model in the run dtype, and
+host work is one pass over the file. This serves diffusers folders (``*.safetensors``, sharded or not) and
+ComfyUI's single files alike; ``plan`` builds the same module and never reads a tensor.
+
+Quantised files: ``float8_e4m3fn``/``float8_e5m2`` tensors are upcast; ComfyUI's "scaled" fp8 files (a
+``scaled_fp8`` marker tensor and a 0-dim ``<layer>.scale_weight`` per Linear) hold ``weight * scale_weight``,
+which is what is loaded. Scale tensors and markers are consumed, not reported as unknown keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from ..errors import ModelFolderError
+
+log = logging.getLogger(__name__)
+
+FP8_MARKERS = ("scaled_fp8",)
+_SCALE_SUFFIXES = (".scale_weight", ".scale_input")
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The weight files of a diffusers component folder: the index's shards, or the single file."""
+    index = sorted(folder.glob("*.safetensors.index.json"))
+    if index:
+        shards = sorted(set(json.loads(index[0].read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise ModelFolderError(f"{folder} is incomplete: the shards {missing} listed in {index[0].name} are "
+                                   "missing. Re-download them")
+        return [folder / s for s in shards]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelFolderError(f"{folder} has no .safetensors weights: re-download the component (only "
+                               "safetensors files are loaded)")
+    return files
+
+
+def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, dtype string) of every tensor in a safetensors file, without reading any tensor."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if size <= 0 or size > 100 * 2**20:
+                raise ValueError("not a safetensors header")
+            header = json.loads(f.read(size))
+    except (OSError, ValueError) as exc:
+        raise ModelFolderError(f"{path} is not a readable safetensors file ({exc}): check the path, or "
+                               "re-download it") from exc
+    return {k: (tuple(v["shape"]), v["dtype"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def strip_prefix(names: Iterable[str], prefixes: Iterable[str]) -> dict[str, str]:
+    """Map each name to itself without the first of ``prefixes`` it starts with."""
+    out = {}
+    for name in names:
+        for p in prefixes:
+            if name.startswith(p):
+                name_out = name[len(p):]
+                break
+        else:
+            name_out = name
+        out[name] = name_out
+    return out
+
+
+class TensorSource:
+    """The tensors of one or more safetensors files, read one at a time, dequantised, in the requested dtype."""
+
+    def __init__(self, files: Iterable[Path]):
+        from safetensors import safe_open
+
+        self.files = [Path(f) for f in files]
+        self._handles = {}
+        self.where: dict[str, Path] = {}
+        for f in self.files:
+            handle = safe_open(str(f), framework="pt")
+            self._handles[f] = handle
+            for key in handle.keys():
+                self.where[key] = f
+        self.scaled_fp8 = any(m in self.where for m in FP8_MARKERS)
+
+    def keys(self) -> list[str]:
+        """Tensor names, without fp8 markers and scale tensors."""
+        return [k for k in self.where if k not in FP8_MARKERS and not k.endswith(_SCALE_SUFFIXES)]
+
+    def raw(self, key: str) -> torch.Tensor:
+        return self._handles[self.where[key]].get_tensor(key)
+
+    def get(self, key: str, dtype: torch.dtype) -> torch.Tensor:
+        """Tensor ``key`` in ``dtype``; fp8 upcast, and multiplied by its ``scale_weight`` in scaled-fp8 files."""
+        tensor = self.raw(key)
+        base = key[: -len(".weight")] if key.endswith(".weight") else None
+        scale_key = f"{base}.scale_weight" if base is not None else None
+        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or (scale_key and scale_key in self.where):
+            tensor = tensor.float()
+            if scale_key and scale_key in self.where:
+                tensor = tensor * self.raw(scale_key).float()
+        if not tensor.is_floating_point():
+            return tensor
+        return tensor.to(dtype)
+
+
+def _keep_fp32(name: str, patterns: Iterable[str]) -> bool:
+    return any(re.search(rf"(^|\.){re.escape(p)}(\.|$)", name) for p in patterns)
+
+
+def keep_fp32_modules(cls: type, dtype: torch.dtype) -> tuple[str, ...]:
+    """The modules of model class ``cls`` whose tensors its library's ``from_pretrained`` keeps in float32 when
+    loading in ``dtype``: diffusers keeps ``_keep_in_fp32_modules`` in float32 for any dtype; transformers keeps
+    ``_keep_in_fp32_modules`` for float16 only and ``_keep_in_fp32_modules_strict`` for float16 and bfloat16."""
+    if dtype == torch.float32:
+        return ()
+    if cls.__module__.startswith("diffusers."):
+        return tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
+    names = list(getattr(cls, "_keep_in_fp32_modules", None) or ()) if dtype == torch.float16 else []
+    if dtype in (torch.float16, torch.bfloat16):
+        names += list(getattr(cls, "_keep_in_fp32_modules_strict", None) or ())
+    return tuple(names)
+
+
+def tied_weights(module: torch.nn.Module) -> dict[str, str]:
+    """Parameter -> the parameter it shares its tensor with (transformers' ``_tied_weights_keys``, e.g. T5's
+    ``encoder.embed_tokens.weight`` -> ``shared.weight``): files store the second only."""
+    ties = getattr(module, "_tied_weights_keys", None)
+    return dict(ties) if isinstance(ties, dict) else {}
+
+
+@contextlib.contextmanager
+def _parameters_on_meta(dtype: torch.dtype):
+    """While a module is built: each parameter is created on ``meta`` as it is registered (no memory, its random
+    init a no-op), buffers are computed for real, and floating tensors default to ``dtype``, as the libraries'
+    ``from_pretrained`` builds a model under the requested dtype."""
+    original = torch.nn.Module.register_parameter
+
+    def register(module, name, param):
+        if param is not None and not param.is_meta:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    previous = torch.get_default_dtype()
+    torch.nn.Module.register_parameter = register
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original
+        torch.set_default_dtype(previous)
+
+
+def build_empty(build: Callable[[], torch.nn.Module], dtype: torch.dtype,
+                keep_fp32: Iterable[str] = ()) -> torch.nn.Module:
+    """The module ``build()`` makes, its parameters on ``meta`` in the dtype loading gives them (``dtype``, or
+    float32 under ``keep_fp32``), its buffers real. Loading assigns the parameters; planning needs no more."""
+    with _parameters_on_meta(dtype):
+        module = build()
+    keep_fp32 = tuple(keep_fp32)
+    for prefix, owner in module.named_modules():
+        for name, param in list(owner._parameters.items()):
+            if param is None or not param.is_floating_point():
+                continue
+            want = torch.float32 if _keep_fp32(f"{prefix}.{name}".lstrip("."), keep_fp32) else dtype
+            if param.dtype != want:
+                owner._parameters[name] = torch.nn.Parameter(param.detach().to(want), requires_grad=False)
+    return module.eval()
+
+
+def load_into_meta_module(build: Callable[[], torch.nn.Module], source: TensorSource, names: dict[str, str],
+                          dtype: torch.dtype, what: str, keep_fp32: Iterable[str] = (),
+                          ignore: Iterable[str] = ()) -> torch.nn.Module:
+    """Build a module with ``build_empty`` and assign it the tensors of ``source``.
+
+    ``names`` maps file keys to module names (keys absent from it are unknown). ``keep_fp32``: module names whose
+    tensors stay float32 whatever ``dtype`` is. Parameters tied to another (``tied_weights``) share its tensor
+    when the file leaves them out. ``ignore``: regexes of file keys to skip (e.g. buffers some exporters
+    include). Missing or unexpected tensors, and shape mismatches, raise ``ModelFolderError`` naming them.
+    """
+    keep_fp32 = tuple(keep_fp32)
+    module = build_empty(build, dtype, keep_fp32)
+    expected = dict(module.state_dict(keep_vars=True))
+    ignore = [re.compile(p) for p in ignore]
+    state: dict[str, torch.Tensor] = {}
+    unexpected = []
+    for key, name in names.items():
+        if name not in expected:
+            if not any(p.search(name) for p in ignore):
+                unexpected.append(key)
+            continue
+        target = expected[name]
+        want = torch.float32 if _keep_fp32(name, keep_fp32) else dtype
+        tensor = source.get(key, want)
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ModelFolderError(f"{what}: tensor {key} has shape {tuple(tensor.shape)} but the architecture "
+                                   f"read from the file expects {tuple(target.shape)}: the file is damaged "
+                                   "or of another model")
+        state[name] = tensor
+    ties = tied_weights(module)
+    for name, target in ties.items():
+        if name not in state and target in state:
+            state[name] = state[target]
+    # state_dict() holds persistent tensors only; buffers are real already and need no file.
+    missing = [n for n, t in expected.items() if n not in state and t.is_meta]
+    if unexpected or missing:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensor(s) (e.g. {', '.join(missing[:4])})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unknown tensor(s) (e.g. {', '.join(unexpected[:4])})")
+        raise ModelFolderError(f"{what} does not fit the architecture read from it: {'; '.join(parts)}. The file "
+                               "is incomplete or holds another model")
+    module.load_state_dict(state, strict=False, assign=True)
+    for name, target in ties.items():  # one tensor, one device copy: the tie survives assign=True
+        if name in expected and target in expected:
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner), attr, module.get_parameter(target))
+    return module.eval()
+
+
+def meta_tensors(module: torch.nn.Module) -> list[str]:
+    """Names of parameters and buffers still on ``meta`` (left unset by a load)."""
+    named = list(module.named_parameters()) + list(module.named_buffers())
+    return [n for n, t in named if t.is_meta]

@@ -1,0 +1,52 @@
+"""CogVideoX (2b, 5b, 1.5; 5b-I2V, 1.5-I2V): text and image to video, from diffusers folders.
+
+``model.py`` recognises and loads a folder and runs the stages; ``programs.py`` builds the stage programs;
+``schedule.py`` writes the DDIM/DPM schedulers as per-step coefficients; ``rules.py`` places the weights on a
+mesh; ``architectures.py`` holds the released models' configs (``plan``); ``tiny.py`` builds tiny random-weight
+models (``demo``, ``bench``, the tests). This file declares the family to the registry.
+"""
+
+from __future__ import annotations
+
+from ..spec import Demo, FamilySpec, NodeSpec, SamplerNode
+
+
+def _sampler_settings(inputs: dict) -> dict:
+    return {"dynamic_cfg": bool(inputs.get("dynamic_cfg", False))}
+
+
+SPEC = FamilySpec(
+    name="cogvideox",
+    display_name="CogVideoX",
+    package=__name__,
+    family_class="model:CogVideoXFamily",
+    pipelines=("CogVideoXPipeline", "CogVideoXImageToVideoPipeline"),
+    pipeline_prefix="CogVideoX",
+    unsupported="this pack runs text-to-video (CogVideoXPipeline) and image-to-video "
+                "(CogVideoXImageToVideoPipeline) models: use CogVideoX-2b/5b, CogVideoX1.5-5B, CogVideoX-5b-I2V or "
+                "CogVideoX1.5-5B-I2V",
+    example_repo="THUDM/CogVideoX-2b",
+    folder_names=("diffusers", "CogVideo"),
+    architectures="architectures:ARCHITECTURES",
+    demos={"2b": Demo("tiny:build_tiny_cogvideox", ("2b",), 64, 96, 9),
+           "5b": Demo("tiny:build_tiny_cogvideox", ("5b",), 64, 96, 9),
+           "1.5": Demo("tiny:build_tiny_cogvideox", ("1.5",), 64, 64, 17)},
+    nodes=NodeSpec(
+        prefix="TPUCogVideoX",
+        title="CogVideoX",
+        category="TPU video/CogVideoX",
+        type_prefix="TPU_COGVIDEOX",
+        loader_description="Loads a CogVideoX text-to-video model (2b, 5b or 1.5) for the TPU/JAX runtime.",
+        loader_tooltip="diffusers CogVideoX folders in models/diffusers and models/CogVideo",
+        text_encode_doc="T5 embeddings for a prompt and a negative prompt.",
+        image_encode_doc="CogVideoX-5b-I2V / 1.5-I2V: the first frame VAE-encoded on the devices; the sampler draws "
+                         "from it.",
+        sampler=SamplerNode(
+            width=720, height=480, frames=49, frames_tip="8N+1 for 2b/5b (49 native), 16N+1 for 1.5 (81 native)",
+            guidance=6.0, schedulers=("ddim", "dpm"), required={"dynamic_cfg": ("BOOLEAN", {"default": False})},
+            settings=_sampler_settings),
+        image_size=(720, 480, 49),
+        image_frames_tip="the sampler's frames: 8N+1 for 5b-I2V (49), 16N+1 for 1.5-I2V (81)",
+        decode_inputs={"tiling": ("BOOLEAN", {"default": False, "tooltip": "spatial tiles, for large frames"})},
+    ),
+)

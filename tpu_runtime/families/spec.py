@@ -1,0 +1,132 @@
+"""What a model family declares about itself, once: the registry (``registry.py``) asks these declarations
+whenever anything picks a family — opening a model, ``plan``'s known models, the multi-host worker and its
+message codec, ``bench``, the CLI's demos, the ComfyUI loaders' folder lists and the node classes.
+
+Declarations are plain data: importing them touches no device and imports no torch (ComfyUI imports every pack
+at start-up). Whatever is heavy (the family class, its released architectures, its tiny builders, its single-file
+reader) is named as ``"module:attribute"`` inside the family's package, the way Python's entry points name a
+plugin, and imported only when asked for (``FamilySpec.load``). So the family's own modules can read their
+declaration (``from . import SPEC``) without an import circle.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class FileRole:
+    """One single file a family loads instead of a diffusers folder (ComfyUI's model files)."""
+
+    name: str  # the family constructor's name for it, e.g. "transformer"
+    flag: str  # the CLI option, e.g. "--transformer"
+    folder: str  # ComfyUI's folder type, e.g. "diffusion_models"
+    required: bool
+    help: str
+
+
+@dataclass(frozen=True)
+class Demo:
+    """A tiny random-weight model the CLI's ``demo`` and ``bench`` build on the spot (``builder(folder, *args)``,
+    a ``"module:function"`` of the family's package), and its small size."""
+
+    builder: str
+    args: tuple
+    height: int
+    width: int
+    frames: int
+
+
+@dataclass(frozen=True)
+class SamplerNode:
+    """The family's sampler node: defaults, the frames rule's tooltip, schedulers, and the inputs only it has
+    (``required`` after the common ones, ``optional`` before ``image_cond``), mapped to ``SampleSettings`` fields
+    by ``settings(inputs) -> dict`` (its sentinels turned into None)."""
+
+    width: int
+    height: int
+    frames: int
+    frames_tip: str
+    guidance: float
+    schedulers: tuple[str, ...]
+    required: dict = field(default_factory=dict)
+    optional: dict = field(default_factory=dict)
+    settings: Callable[[dict], dict] = lambda inputs: {}
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """How the family's ComfyUI nodes are named and what differs between families; the node kinds themselves are
+    written once (``nodes/kinds.py``). Class names are ``prefix + kind`` (``TPUWanSampler``), display names
+    ``"<title> <Kind> (TPU)"``, types ``type_prefix + _MODEL / _EMBEDS / _IMAGE``: saved workflows depend on all
+    three, so they never change."""
+
+    prefix: str
+    title: str
+    category: str
+    type_prefix: str
+    loader_description: str
+    loader_tooltip: str
+    sampler: SamplerNode
+    image_size: tuple[int, int, int]  # the image encode's width, height, frames defaults
+    image_frames_tip: str
+    text_encode_doc: str = "Text-encoder embeddings for a prompt and a negative prompt."
+    image_encode_doc: str = "The first frame VAE-encoded on the devices for the sampler."
+    sampler_doc: str = "Denoise a video latent: one compiled program per shape, reused for every step and seed."
+    decode_doc: str = "VAE decode to an IMAGE batch [frames, H, W, 3] for ComfyUI's CreateVideo / SaveVideo."
+    decode_inputs: dict = field(default_factory=dict)  # required inputs after model and samples (passed to decode)
+    lora_optional: dict = field(default_factory=dict)  # the LoRA node's optional inputs (Wan 2.2's expert)
+    files_loader: "FilesLoaderNode | None" = None
+
+
+@dataclass(frozen=True)
+class FilesLoaderNode:
+    """A loader of the family's single files: its inputs in order (``required`` then ``optional``, where the names
+    "@device" and "@layout" stand for the shared device and layout inputs), as (input name, file role) pairs, and
+    its description."""
+
+    description: str
+    required: tuple[tuple[str, str, str], ...]  # (input name, FileRole.name, tooltip)
+    optional: tuple  # (input name, FileRole.name, tooltip) or "@device" / "@layout"
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """A model family, declared once.
+
+    ``package``: the family's package; the ``"module:attribute"`` names below are inside it. ``family_class``:
+    the ``ModelFamily`` subclass, whose constructor takes a folder (and ``index=``, the model_index.json the
+    registry read) or ``files=`` (single files by ``FileRole.name``). ``pipelines``: the diffusers
+    ``_class_name``s it runs; ``pipeline_prefix``: the prefix of its family's other pipelines (refused with
+    ``unsupported``). ``recognise_files``: a function ``(role -> path) -> bool`` saying whether single files are
+    this family's, read from tensor names and shapes. ``architectures``: released models by name, as config-only
+    folders (``plan``). ``message_types``: the dataclasses its constructor takes that a multi-host message carries
+    by value."""
+
+    name: str
+    display_name: str
+    package: str
+    family_class: str
+    pipelines: tuple[str, ...]
+    pipeline_prefix: str
+    unsupported: str
+    example_repo: str
+    folder_names: tuple[str, ...]  # ComfyUI folder types searched for its diffusers folders
+    nodes: NodeSpec
+    architectures: str | None = None
+    demos: dict[str, Demo] = field(default_factory=dict)
+    file_roles: tuple[FileRole, ...] = ()
+    recognise_files: str | None = None
+    message_types: tuple[str, ...] = ()
+
+    def load(self, ref: str):
+        """The object ``ref`` ("module:attribute" inside the family's package) names, its module imported now."""
+        module, _, attribute = ref.partition(":")
+        return getattr(importlib.import_module(f"{self.package}.{module}"), attribute)
+
+    def build_demo(self, name: str, folder: Path) -> Path:
+        demo = self.demos[name]
+        return self.load(demo.builder)(folder, *demo.args)

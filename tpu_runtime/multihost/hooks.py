@@ -1,0 +1,72 @@
+"""The small hook through which the engine meets the multi-host layer, and all it imports of it.
+
+- ``replayed_init`` / ``replayed_method``: a family's construction and its public stage calls (``REPLAYED``), run
+  on every process of a slice when called on its first process. They reach the slice through the model's
+  runtime (``runtime.slice``), never through an import.
+- ``join_from_environment``: what the runtime calls before JAX starts a backend. The package's ``__init__``
+  installs the joiner (``transport.join``, imported when a slice is joined), so importing this module is enough.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Callable
+
+# The stage calls of a family that run programs on the devices: each is replayed on the workers (a new stage
+# method belongs in this list).
+REPLAYED = ("encode", "encode_image", "sample", "decode", "apply_loras", "release")
+
+ENABLE_ENV = "TPU_VIDEO_MULTIHOST"
+_joiner: Callable[[], object] | None = None
+
+
+def install_joiner(joiner: Callable[[], object]) -> None:
+    """``joiner()`` joins the slice the environment describes and returns it (the multi-host layer's)."""
+    global _joiner
+    _joiner = joiner
+
+
+def multihost_requested() -> bool:
+    return os.environ.get(ENABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def join_from_environment():
+    """The slice this process joins (``TPU_VIDEO_MULTIHOST=1``), or None for a single process."""
+    if not multihost_requested():
+        return None
+    if _joiner is None:
+        from ..errors import SliceError
+
+        raise SliceError(f"{ENABLE_ENV} is set but the multi-host layer is not loaded: import tpu_runtime.multihost")
+    return _joiner()
+
+
+def replayed_method(method):
+    """``method`` of a family, run on every process of the slice when this is its first process."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        slice_ = getattr(getattr(self, "runtime", None), "slice", None)
+        if slice_ is None or not slice_.is_driver or getattr(self, "abstract", False):
+            return method(self, *args, **kwargs)
+        return slice_.call("call", self, method.__name__, args, kwargs,
+                           lambda a, k: method(self, *a, **k))
+
+    wrapper.replayed = True
+    return wrapper
+
+
+def replayed_init(init):
+    """A family's ``__init__``, then the same construction on every worker (files checked there first)."""
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        slice_ = getattr(self.runtime, "slice", None)
+        if slice_ is None or not slice_.is_driver or self.abstract or slice_.nested():
+            return
+        slice_.open_model(self, args, kwargs)
+
+    wrapper.replayed = True
+    return wrapper

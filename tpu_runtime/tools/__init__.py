@@ -1,0 +1,2 @@
+"""What users run: the command line (``generate``, ``demo``, ``bench``, ``plan``, ``worker``), the stage files
+between stages, and video export."""

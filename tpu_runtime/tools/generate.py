@@ -1,0 +1,202 @@
+"""One generation request, run stage by stage for any family: what ``python -m tpu_runtime generate`` does, and
+what ``bench`` and the tests call.
+
+``open_model`` asks the family registry for what the user pointed at (a diffusers folder, or ComfyUI's single
+files) and returns the loaded family; ``generate`` runs encode → sample → decode (or one stage, from the files of
+the stage before) and writes the stage files, the frames, the mp4 and ``generation_config.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("tpu_runtime")
+
+STAGES = ("all", "encode", "sample", "decode")
+
+
+@dataclass
+class GenerateRequest:
+    model: str | None
+    output_dir: str
+    prompt: str | None = None
+    negative_prompt: str = ""
+    height: int | None = None
+    width: int | None = None
+    frames: int | None = None
+    steps: int = 50
+    guidance: float | None = None  # None: the family's usual (6 for CogVideoX, 5 for Wan)
+    seed: int = 0
+    scheduler: str | None = None
+    dynamic_cfg: bool = False
+    shift: float | None = None
+    guidance_2: float | None = None
+    boundary: float | None = None
+    dtype: str = "auto"
+    fps: int | None = None  # None: the model's (8 for CogVideoX, 16 for Wan, 24 for TI2V-5B)
+    stage: str = "all"
+    vae_tiling: bool = False
+    group_norm: str = "stock"
+    cache_dir: str | None = None
+    mesh: str | None = None
+    attention: str = "auto"
+    block_q: int = 3328
+    block_kv: int = 2816
+    block_kv_compute: int = 256
+    exp2: bool = False
+    fsdp: bool = False
+    vae_sharding: str = "auto"
+    files: dict[str, str] = field(default_factory=dict)  # single files by role (registry.file_roles), not --model
+    loras: list[str] = field(default_factory=list)  # FILE[:STRENGTH], merged into the transformer
+    loras_2: list[str] = field(default_factory=list)  # FILE[:STRENGTH], Wan 2.2 A14B's low-noise expert
+    image: str | None = None  # image-to-video: the first frame
+    last_image: str | None = None  # Wan FLF2V: the last frame
+    clip_vision: str | None = None  # single-file Wan 2.1 I2V / FLF2V: models/clip_vision/clip_vision_h
+
+    def lora_specs(self) -> tuple[tuple, tuple]:
+        from ..engine.lora import parse_lora
+
+        return tuple(parse_lora(x) for x in self.loras), tuple(parse_lora(x) for x in self.loras_2)
+
+    def attention_config(self):
+        from ..engine.attention import AttentionConfig
+
+        return AttentionConfig(impl=self.attention, block_q=self.block_q, block_kv=self.block_kv,
+                               block_kv_compute=self.block_kv_compute, exp2=self.exp2)
+
+
+def open_model(req: GenerateRequest, runtime=None):
+    """The family for ``req.model`` (a diffusers folder) or for ``req``'s single files, as the registry picks it."""
+    from ..families import registry
+
+    return registry.open_model(req.model, req.files, dtype=req.dtype, runtime=runtime, mesh=req.mesh,
+                               attention=req.attention_config(), fsdp=req.fsdp, vae_sharding=req.vae_sharding)
+
+
+def generate(req: GenerateRequest, family=None) -> dict:
+    """Run the requested stage(s); return the generation config written to the output folder."""
+    from ..engine.runtime import compile_stats, get_runtime
+    from ..engine.stages import SampleSettings
+    from ..errors import InputError, StageFileError
+    from . import stage_files as sf
+    from .video import write_mp4
+
+    if req.stage not in STAGES:
+        raise InputError(f"--stage must be one of {STAGES}, got {req.stage!r}")
+    out = Path(req.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    wall_start = time.perf_counter()
+    runtime = get_runtime(cache_dir=req.cache_dir)
+    stats_before = compile_stats()
+    family = family or open_model(req, runtime)
+
+    native_h, native_w, native_f = family.native_size()
+    height, width, frames = req.height or native_h, req.width or native_w, req.frames or native_f
+    if req.stage == "decode":
+        latents = sf.load_latents(out)
+        family.check_made_here(latents)
+        for name, asked, saved in (("height", req.height, latents.height), ("width", req.width, latents.width),
+                                   ("frames", req.frames, latents.num_frames)):
+            if asked is not None and asked != saved:
+                raise StageFileError(
+                    f"--{name} {asked} differs from the {saved} the latents in {out} were sampled at: drop --{name} "
+                    "or re-run --stage sample"
+                )
+        height, width, frames = latents.height, latents.width, latents.num_frames
+    family.validate(height, width, frames)
+    fps = req.fps or family.default_fps()
+    if fps < 1:
+        raise InputError(f"--fps {fps} must be at least 1")
+    guidance = req.guidance if req.guidance is not None else family.DEFAULT_GUIDANCE
+    loras, loras_2 = req.lora_specs()
+    settings = SampleSettings(height, width, frames, req.steps, guidance, req.seed, req.scheduler, req.dynamic_cfg,
+                              req.shift, req.guidance_2, req.boundary, loras=loras, loras_2=loras_2)
+    if req.stage in ("all", "sample"):
+        family.validate_settings(settings)  # before the encode stage spends any time
+        family.apply_loras(family.lora_targets(settings), merge=False)  # every LoRA file read and checked too
+    elif loras or loras_2:
+        raise InputError(f"--lora applies to sampling: use it with --stage all or --stage sample, not {req.stage}")
+    images = None
+    if req.stage in ("all", "encode"):
+        family.check_images(bool(req.image), bool(req.last_image))
+        from ..engine.images import load_image
+
+        images = (load_image(req.image, "--image") if req.image else None,
+                  load_image(req.last_image, "--last-image") if req.last_image else None)
+    elif req.image or req.last_image:
+        raise InputError(f"--image is read by the encode stage: use it with --stage all or --stage encode, not "
+                         f"{req.stage} (sample takes the encoded image from {sf.IMAGE_FILE})")
+
+    config = {
+        **family.describe(), "dtype": family.dtype_name, "backend": runtime.backend,
+        "devices": len(runtime.devices), "mesh": str(family.mesh_spec), "attention": family.attention.impl,
+        "height": height, "width": width, "frames": frames, "fps": fps,
+    }
+    if req.stage in ("all", "encode"):
+        if not req.prompt:
+            raise InputError("--prompt is required for --stage all and --stage encode")
+        embeddings = family.encode(req.prompt, req.negative_prompt)
+        sf.save_embeddings(out, embeddings)
+        config.update(prompt=req.prompt, negative_prompt=req.negative_prompt)
+        image = None
+        if images[0] is not None:
+            image = family.encode_image(*images, height=height, width=width, num_frames=frames)
+            sf.save_image(out, image)
+        else:
+            sf.drop_image(out)
+        if req.image:
+            config.update(image=str(req.image), **({"last_image": str(req.last_image)} if req.last_image else {}))
+    if req.stage in ("all", "sample"):
+        if req.stage == "sample":
+            embeddings = sf.load_embeddings(out)
+            image = sf.load_image(out) if family.image_input != "none" and (
+                family.image_input == "required" or sf.has_image(out)) else None
+        latents = family.sample(embeddings, settings, on_step=_log_step, image=image)
+        sf.save_latents(out, latents)
+        config.update(steps=req.steps, guidance=guidance, seed=req.seed, scheduler=req.scheduler or "model default",
+                      **{k: v for k, v in (("dynamic_cfg", req.dynamic_cfg), ("shift", req.shift),
+                                           ("guidance_2", req.guidance_2), ("boundary", req.boundary)) if v})
+        for name, specs in (("loras", loras), ("loras_2", loras_2)):
+            if specs:
+                config[name] = [{"path": str(spec.path), "strength": spec.strength} for spec in specs]
+    if req.stage in ("all", "decode"):
+        frames_tensor = family.decode(latents, tiling=req.vae_tiling, group_norm=req.group_norm)
+        sf.save_frames(out, frames_tensor)
+        write_mp4(frames_tensor, out / sf.VIDEO_FILE, fps=fps)
+        config.update(vae_tiling=req.vae_tiling, group_norm=req.group_norm)
+
+    t = family.timings
+    stats = compile_stats().since(stats_before)
+    timings = {
+        "load_s": round(t.load, 3),
+        "compile_s": {k: round(v, 3) for k, v in t.compile.items()},
+        "run_s": {k: round(v, 3) for k, v in t.run.items()},
+        "xla_compiles": dict(t.compiles),
+        "lora_merge_s": round(t.lora, 3),
+        "persistent_cache_hits": dict(t.cache_hits),
+        "xla_compiles_total": stats.xla_compiles,
+        "persistent_cache_hits_total": stats.persistent_cache_hits,
+        "wall_s": round(time.perf_counter() - wall_start, 3),
+    }
+    return sf.update_config(out, **config, timings={req.stage: timings})
+
+
+def _log_step(i: int, total: int) -> None:
+    log.info("step %d/%d", i, total)
+
+
+def print_summary(config: dict, stage: str, file=sys.stdout) -> None:
+    t = config["timings"][stage]
+    print(f"\nTiming summary ({config['backend']}, {config['devices']} device(s), {config['dtype']}):", file=file)
+    print(f"  {'stage':<8} {'compile s':>10} {'run s':>10} {'XLA compiles':>13} {'cache hits':>11}", file=file)
+    print(f"  {'load':<8} {'':>10} {t['load_s']:>10.2f}", file=file)
+    for name in ("encode", "image", "sample", "decode"):
+        if name in t["run_s"]:
+            print(f"  {name:<8} {t['compile_s'].get(name, 0):>10.2f} {t['run_s'][name]:>10.2f} "
+                  f"{t['xla_compiles'].get(name, 0):>13} {t['persistent_cache_hits'].get(name, 0):>11}", file=file)
+    print(f"  total wall {t['wall_s']:.2f} s; all XLA programs: {t['xla_compiles_total']} compiled, "
+          f"{t['persistent_cache_hits_total']} from the persistent cache", file=file)

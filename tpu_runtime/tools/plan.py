@@ -1,0 +1,599 @@
+"""Know before renting: compile every stage of a generation for a TPU slice this machine does not have, and
+report per-chip memory, collectives, compile time and whether it fits.
+
+JAX compiles ahead of time for a TPU topology it cannot run on: ``jax.experimental.topologies`` describes the
+slice's chips with the TPU compiler that ``jax[tpu]`` installs, a mesh over them takes the place of the real
+devices, and the model family is opened *abstract* (``target_devices``): its components are built on ``meta``
+and placed as shape structs with the shardings the runtime would give the weights. ``plan`` then compiles the very
+stage programs the runtime runs (``plan_programs``: text encode, the sampler step, VAE decode), through the same
+torchax tracing, attention override (splash/exp2 Mosaic kernels, since the mesh is a TPU mesh) and rule tables.
+
+What it reports per stage comes from the compiler: ``memory_analysis()`` (arguments, outputs, temporaries per
+chip) and the compiled HLO (collectives, Mosaic kernels). Weights per chip are computed from the parameter
+shapes and their shardings. Run times need real hardware and are not estimated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import resource
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from ..engine.sharding import MeshSpec, _divisors, default_mesh, parse_mesh
+from ..engine.stages import SampleSettings
+from ..errors import InputError
+
+log = logging.getLogger(__name__)
+
+GIB = 1024 ** 3
+# HBM per chip (Cloud TPU documentation).
+CHIP_HBM = {"v4": 32 * GIB, "v5e": 16 * GIB, "v5p": 95 * GIB, "v6e": 32 * GIB}
+# v5e/v6e slices are 2-D (chips); v4/v5p slices are named by TensorCores (2 per chip) and are 3-D.
+_LAYOUT_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}
+_LAYOUT_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8)}
+_SLICE_SIZES = {"v5e": (1, 4, 8, 16, 32, 64), "v6e": (1, 4, 8, 16, 32, 64), "v5p": (8, 16, 32, 64, 128),
+                "v4": (8, 16, 32, 64, 128)}
+MOSAIC = "tpu_custom_call"  # a Pallas kernel lowered for TPU
+STAGES = ("encode", "image", "sample", "decode")  # image: image-to-video models only
+_COLLECTIVES = {"all_reduces": "all-reduce", "all_gathers": "all-gather", "reduce_scatters": "reduce-scatter",
+                "all_to_alls": "all-to-all", "collective_permutes": "collective-permute"}
+
+
+# --- topologies ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Topology:
+    """A TPU slice as users name it (``v6e-8``): chip kind, chip count, physical layout, HBM per chip."""
+
+    name: str
+    kind: str
+    chips: int
+    layout: tuple[int, ...]
+
+    @property
+    def hbm_bytes(self) -> int:
+        return CHIP_HBM[self.kind]
+
+    @property
+    def hosts(self) -> int:
+        return max(1, self.chips // self._chips_per_host)
+
+    @property
+    def _chips_per_host(self) -> int:
+        # Single-host slices hold every chip (v5e/v6e up to 8); multi-host slices are made of 4-chip hosts.
+        return self.chips if self.kind in ("v5e", "v6e") and self.chips <= 8 else 4
+
+    def devices(self) -> list:
+        """The slice's chips as abstract JAX devices (compile for them; nothing runs)."""
+        from jax.experimental import topologies
+
+        # libtpu takes a machine-wide lock when it loads, for the TPU it drives; describing a topology drives no
+        # TPU, so a plan may run beside another plan or a server that holds the chips.
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        name = f"{self.kind}:{'x'.join(map(str, self.layout))}"
+        bounds = None
+        if self.kind in ("v5e", "v6e") and self.chips <= 8:
+            bounds = (*self.layout, 1)
+        elif self.chips < 4:
+            bounds = self.layout
+        try:
+            kwargs = {"chips_per_host_bounds": bounds} if bounds else {}
+            return list(topologies.get_topology_desc(platform="tpu", topology_name=name, **kwargs).devices)
+        except Exception as exc:  # noqa: BLE001 - no libtpu, or a layout this libtpu does not know
+            raise InputError(f"cannot describe TPU topology {self.name} ({name}): {exc}. plan needs the TPU compiler "
+                             "that jax[tpu] installs (pip install 'jax[tpu]')") from exc
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def parse_topology(text: str) -> Topology:
+    """``v6e-8``, ``v5e-4``, ``v5p-8`` (TensorCores, as Google names v5p/v4 slices), ``v6e-1``; or ``v6e:2x4``."""
+    raw = str(text).strip().lower().replace("v5litepod", "v5e")
+    match = re.fullmatch(r"(v4|v5e|v5p|v6e)[-:](\S+)", raw)
+    if match:
+        kind, size = match.groups()
+        if ":" in raw:
+            layout = tuple(int(x) for x in size.split("x"))
+            return Topology(raw, kind, int(np.prod(layout)), layout)
+        if size.isdigit():
+            n = int(size)
+            if kind in ("v5e", "v6e") and n in _LAYOUT_2D:
+                return Topology(raw, kind, n, _LAYOUT_2D[n])
+            if kind in ("v5p", "v4") and n // 2 in _LAYOUT_3D and n % 2 == 0:
+                return Topology(raw, kind, n // 2, _LAYOUT_3D[n // 2])
+    examples = "v6e-8, v6e-4, v5e-8, v5p-8, v6e-1, v6e-16 (or a layout such as v6e:2x4)"
+    raise InputError(f"topology {text!r} is not a TPU slice this plan knows: use one of {examples}")
+
+
+# --- reports ---------------------------------------------------------------------------------------------------
+@dataclass
+class StageReport:
+    compiled: bool
+    error: str | None = None
+    describe: str = ""
+    weights_bytes_per_chip: int = 0
+    argument_bytes_per_chip: int = 0
+    temp_bytes_per_chip: int = 0
+    output_bytes_per_chip: int = 0
+    total_bytes_per_chip: int = 0
+    all_reduces: int = 0
+    all_gathers: int = 0
+    reduce_scatters: int = 0
+    all_to_alls: int = 0
+    collective_permutes: int = 0
+    mosaic_kernels: int = 0
+    compile_seconds: float = 0.0
+
+
+@dataclass
+class MeshReport:
+    mesh: str
+    fits: bool
+    resident_weights_bytes_per_chip: int
+    peak_bytes_per_chip: int
+    stages: dict[str, StageReport] = field(default_factory=dict)
+
+
+@dataclass
+class PlanReport:
+    model: str
+    topology: str
+    chips: int
+    hosts: int
+    chip_hbm_bytes: int
+    height: int
+    width: int
+    frames: int
+    cfg: bool
+    dtype: str
+    attention: str
+    fsdp: bool
+    vae_sharding: str
+    layers: int | None
+    mesh: str
+    fits: bool
+    peak_bytes_per_chip: int
+    stages: dict[str, StageReport]
+    resident_weights_bytes_per_chip: int = 0
+    candidates: list[dict] = field(default_factory=list)
+    suggestions: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    host_peak_rss_bytes: int = 0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+# --- compiling -------------------------------------------------------------------------------------------------
+def shard_bytes(state: dict) -> int:
+    """Bytes per chip of a state of shape structs (each distinct struct once, by its shard's shape)."""
+    seen, total = set(), 0
+    for struct in state.values():
+        if id(struct) in seen:
+            continue
+        seen.add(id(struct))
+        total += int(np.prod(struct.sharding.shard_shape(struct.shape), dtype=np.int64)) * struct.dtype.itemsize
+    return total
+
+
+def count_ops(hlo: str) -> dict[str, int]:
+    """Collectives and Mosaic kernels in a compiled program's HLO text (instructions, not executions).
+
+    A collective the compiler cuts into a chain of pieces keeps its channel id and counts once: for v5e it splits
+    a large all-gather of keys/values into four, which counted as instructions gave CogVideoX-2b's step 151
+    all-gathers on v5e-8 against 61 on v6e-8 for the same program."""
+    patterns = {key: re.compile(rf"\b{op}(?:-start)?\(") for key, op in _COLLECTIVES.items()}
+    counts = dict.fromkeys(_COLLECTIVES, 0)
+    channels: set[tuple[str, str]] = set()
+    for line in hlo.splitlines():
+        for key, pattern in patterns.items():
+            if pattern.search(line):
+                channel = re.search(r"\bchannel_id=(\d+)", line)
+                if channel is None or (key, channel.group(1)) not in channels:
+                    counts[key] += 1
+                if channel is not None:
+                    channels.add((key, channel.group(1)))
+                break
+    counts["mosaic_kernels"] = hlo.count(f'custom_call_target="{MOSAIC}"')
+    return counts
+
+
+_COMPILED: dict[tuple, StageReport] = {}  # (topology, program text) -> report: identical programs compile once
+
+
+def compile_program(program, topo: Topology) -> StageReport:
+    """Compile one ``StageProgram`` for its (TPU) mesh and read its memory and collectives."""
+    import jax
+
+    from ..engine.runtime import lower
+
+    weights_bytes = shard_bytes(program.example[0])
+    inputs = [x for x in jax.tree_util.tree_leaves(program.example[1:]) if hasattr(x, "sharding")]
+    inputs_bytes = shard_bytes(dict(enumerate(inputs)))
+    report = StageReport(compiled=False, describe=program.describe, weights_bytes_per_chip=weights_bytes)
+    if weights_bytes > topo.hbm_bytes:
+        report.error = (f"not compiled: its weights alone need {weights_bytes / GIB:.1f} GiB per chip, the chip "
+                        f"has {topo.hbm_bytes / GIB:.0f} GiB")
+        return report
+    start = time.perf_counter()
+    try:
+        with program.scope():
+            lowered = lower(program.fn, *program.example)
+        key = (topo.name, hashlib.sha256(lowered.as_text().encode()).hexdigest())
+        if key in _COMPILED:
+            return replace(_COMPILED[key], describe=program.describe)
+        compiled = lowered.compile()
+    except MemoryError:
+        report.error = "this machine ran out of host memory compiling it: plan on a machine with more memory"
+        return report
+    except Exception as exc:  # noqa: BLE001 - the compiler's own message is the report (e.g. HBM exhausted)
+        # The compiler's first lines say what ran out and where (e.g. which fusion needs how much VMEM).
+        lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+        report.error = f"{type(exc).__name__}: {' '.join(lines[:4])[:800]}"
+        report.compile_seconds = round(time.perf_counter() - start, 1)
+        return report
+    report.compile_seconds = round(time.perf_counter() - start, 1)
+    report.compiled = True
+    memory = compiled.memory_analysis()
+    if memory is not None:
+        report.argument_bytes_per_chip = int(memory.argument_size_in_bytes)
+        report.output_bytes_per_chip = int(memory.output_size_in_bytes)
+        report.temp_bytes_per_chip = int(memory.temp_size_in_bytes)
+        # Weights and inputs as placed (the compiler leaves unused arguments out of its count; they are still
+        # on the chip), plus what the program allocates.
+        report.total_bytes_per_chip = int(weights_bytes + inputs_bytes + memory.output_size_in_bytes
+                                          + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+    for name, value in count_ops(compiled.as_text()).items():
+        setattr(report, name, value)
+    _COMPILED[key] = report
+    return report
+
+
+@contextlib.contextmanager
+def _no_persistent_cache():
+    """Planned programs are neither read from nor written to the compilation cache: they are for another
+    machine (a TPU executable can be 170 MB), and a cache hit would hide the compile time being measured. JAX
+    decides once per process whether the cache is used, so the decision is reset on the way in and out."""
+    import jax
+    from jax._src import compilation_cache
+
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+        compilation_cache.reset_cache()
+
+
+# --- opening the model abstractly ------------------------------------------------------------------------------
+@dataclass
+class ModelSource:
+    """What to plan: a known architecture's name, a diffusers folder, or single files (role -> path)."""
+
+    model: str | None = None
+    files: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return self.model or Path(next(iter(self.files.values()))).name
+
+
+def open_abstract(source: ModelSource, devices, workdir: Path, *, mesh=None, dtype: str = "bfloat16",
+                  attention=None, fsdp: bool = False, vae_sharding: str = "auto", layers: int | None = None):
+    """The model family of ``source`` opened for ``devices`` without reading any weight (``layers``: the
+    transformer at that depth)."""
+    from ..families import registry
+
+    options = dict(dtype=dtype, mesh=mesh, attention=attention, fsdp=fsdp, vae_sharding=vae_sharding,
+                   target_devices=devices, layers=layers)
+    if source.model is None:
+        return registry.open_model(files=source.files, **options)
+    path = Path(source.model).expanduser()
+    if not path.exists():
+        if source.model.lower() not in registry.architectures():
+            raise InputError(f"--model {source.model!r} is neither a folder nor a known model: use a diffusers "
+                             f"folder or one of {', '.join(registry.known_models())}")
+        path = registry.write_architecture(source.model, workdir)
+    return registry.open_model(str(path), **options)
+
+
+def candidate_meshes(chips: int, heads: int, cfg: bool, fsdp: bool = False) -> list[MeshSpec]:
+    """The default mesh first, then all-tp and (with CFG) the other dp/tp splits the heads allow; with ``fsdp``
+    only meshes with dp (FSDP splits the weights over it)."""
+    meshes = [default_mesh(chips, heads, cfg)]
+    for dp in ([2] if fsdp else [2, 1]) if cfg and chips % 2 == 0 else [1]:
+        rest = chips // dp
+        for tp in sorted((d for d in _divisors(rest) if heads % d == 0), reverse=True)[:2]:
+            spec = MeshSpec(dp=dp, sp=rest // tp, tp=tp)
+            if spec not in meshes:
+                meshes.append(spec)
+    return meshes
+
+
+# --- the plan --------------------------------------------------------------------------------------------------
+def plan(source: ModelSource, topology: str | Topology, *, height: int | None = None, width: int | None = None,
+         frames: int | None = None, guidance: float | None = None, steps: int = 50, mesh=None,
+         dtype: str = "bfloat16", attention=None, fsdp: bool = False, vae_sharding: str = "auto",
+         stages=STAGES, layers: int | None = None, max_candidates: int = 3) -> PlanReport:
+    """Compile ``stages`` of one generation for ``topology`` and report per-chip memory and what fits.
+
+    With no ``mesh``, up to ``max_candidates`` meshes are compiled and the fitting one with the least per-chip
+    memory is chosen. Bad input raises ``InputError`` before anything compiles.
+    """
+    from ..engine.runtime import get_runtime
+
+    start = time.perf_counter()
+    topo = topology if isinstance(topology, Topology) else parse_topology(topology)
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown or not stages:
+        raise InputError(f"stages {unknown or 'none'}: choose from {', '.join(STAGES)}")
+    devices = topo.devices()
+    get_runtime()  # torchax and the attention override
+    with tempfile.TemporaryDirectory() as work:
+        base = open_abstract(source, devices, Path(work), mesh=mesh, dtype=dtype, attention=attention, fsdp=fsdp,
+                             vae_sharding=vae_sharding, layers=layers)
+        nh, nw, nf = base.native_size()
+        settings = SampleSettings(height or nh, width or nw, frames or nf, steps=steps,
+                                  guidance=base.DEFAULT_GUIDANCE if guidance is None else float(guidance))
+        cfg = settings.guidance > 1.0
+        base.plan_programs(settings)  # every input checked (sizes, mesh vs CFG) before anything compiles
+        if parse_mesh(mesh) is not None:
+            meshes = [base.mesh_spec]
+        else:
+            meshes = candidate_meshes(len(devices), base.heads, cfg, fsdp)[:max_candidates]
+        results = []
+        with _no_persistent_cache():
+            for spec in meshes:
+                family = base if spec == base.mesh_spec else open_abstract(
+                    source, devices, Path(work), mesh=spec, dtype=dtype, attention=attention, fsdp=fsdp,
+                    vae_sharding=vae_sharding, layers=layers)
+                results.append(_plan_mesh(family, settings, stages, topo))
+        fitting = [r for r in results if r.fits]
+        chosen = min(fitting or results, key=lambda r: r.peak_bytes_per_chip)
+        report = PlanReport(
+            model=source.label, topology=topo.name, chips=topo.chips, hosts=topo.hosts, chip_hbm_bytes=topo.hbm_bytes,
+            height=settings.height, width=settings.width, frames=settings.num_frames, cfg=cfg, dtype=base.dtype_name,
+            attention=base.attention.impl + (" (exp2)" if base.attention.exp2 else ""), fsdp=fsdp,
+            vae_sharding=base.vae_sharding, layers=layers, mesh=chosen.mesh, fits=chosen.fits,
+            peak_bytes_per_chip=chosen.peak_bytes_per_chip, stages=chosen.stages,
+            resident_weights_bytes_per_chip=chosen.resident_weights_bytes_per_chip,
+            candidates=[{"mesh": r.mesh, "fits": r.fits, "peak_bytes_per_chip": r.peak_bytes_per_chip}
+                        for r in results],
+        )
+        if not report.fits:
+            report.suggestions = suggestions(source, base, chosen, topo, layers, stages)
+    report.seconds = round(time.perf_counter() - start, 1)
+    report.host_peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return report
+
+
+def _plan_mesh(family, settings: SampleSettings, stages, topo: Topology) -> MeshReport:
+    programs = family.plan_programs(settings)
+    components = sorted({c for p in programs for c in p.components})
+    for c in components:  # a program names every component it takes turns with (Wan 2.2's second expert)
+        family._component(c)
+    weights = {c: shard_bytes(family._states[c]) for c in components}
+    report = MeshReport(str(family.mesh_spec), False, sum(weights.values()), 0)
+    for stage in stages:
+        for program in (p for p in programs if p.stage == stage):  # a stage may have several (Wan's decode)
+            log.info("compiling %s for %s, mesh %s", program.describe, topo, family.mesh_spec)
+            # The program receives one component's weights (Wan 2.2's experts take turns with the same program).
+            report.stages[program.name] = compile_program(program, topo)
+    # Every component stays on the devices between stages; each stage adds its inputs, outputs and temporaries.
+    extra = [max(0, r.total_bytes_per_chip - r.weights_bytes_per_chip) for r in report.stages.values()]
+    report.peak_bytes_per_chip = report.resident_weights_bytes_per_chip + max(extra, default=0)
+    report.fits = all(r.compiled for r in report.stages.values()) and report.peak_bytes_per_chip <= topo.hbm_bytes
+    return report
+
+
+def suggestions(source: ModelSource, family, report: MeshReport, topo: Topology, layers, stages) -> list[str]:
+    """What would fit instead, estimated from the weights' shardings and the activations just compiled."""
+    from ..engine.runtime import get_runtime
+
+    runtime = get_runtime()
+    hbm = topo.hbm_bytes
+    names = sorted({c for p in family.plan_programs(_settings_of(family)) for c in p.components})
+    activations = max((_activation_bytes(r) for r in report.stages.values()), default=0)
+    out = []
+    if any(r.error and "ScopedVmem" in r.error for r in report.stages.values()):
+        # A kernel's blocks, not the chip's HBM: narrower splash blocks are the fix, not more chips.
+        a = family.attention
+        out.append(f"smaller splash blocks: --block-q {max(128, a.block_q // 2 // 128 * 128)} --block-kv "
+                   f"{max(a.block_kv_compute, a.block_kv // 2 // a.block_kv_compute * a.block_kv_compute)} (an "
+                   "attention kernel ran out of the chip core's scoped VMEM)")
+    decodes = [r for name, r in report.stages.items() if name.startswith("decode")]
+    others = [r for name, r in report.stages.items() if not name.startswith("decode")]
+
+    def extra(stages) -> int:
+        return max((_activation_bytes(r) for r in stages), default=0)
+
+    # The decode is short of memory alone, or beside the resident weights when it is the largest stage (the
+    # Wan VAE at 720x1280 beside A14B's two experts).
+    decode_alone = any(_out_of_hbm(r) or r.total_bytes_per_chip > hbm for r in decodes)
+    decode_short = decode_alone or (
+        extra(decodes) > extra(others) and report.resident_weights_bytes_per_chip + extra(decodes) > hbm)
+    if decode_short and family.vae_sharding == "replicated" and family.mesh_spec.devices > 1:
+        out.append("--vae-sharding width: splits the decode's activations over every chip")
+        if all(r.compiled and r.total_bytes_per_chip <= hbm for r in others) \
+                and report.resident_weights_bytes_per_chip + extra(others) <= hbm:
+            return out  # only the decode is short of memory, and the split is the first thing to try
+    # The decode already split (or one chip) and still short: fewer resident weights (FSDP) or more chips to
+    # split it over (a larger slice, the decode's activations scaled by the chip count) are what is left.
+
+    def weights_for(mesh_spec: MeshSpec, fsdp: bool, devices) -> int:
+        mesh = runtime.make_mesh(mesh_spec, devices)
+        return sum(shard_bytes(runtime.abstract_state(family._parts[n], mesh, family._rules_for(n),
+                                                      fsdp and n not in family.FSDP_SKIPS))
+                   for n in names)
+
+    # FSDP leaves the VAE whole: it cannot help a decode that does not fit a chip by itself.
+    if family.mesh_spec.dp > 1 and not family.fsdp and not decode_alone:
+        with_fsdp = weights_for(family.mesh_spec, True, family.devices) + activations
+        if with_fsdp <= hbm:
+            out.append(f"--fsdp on this slice: about {with_fsdp / GIB:.1f} GiB per chip (weights split over dp too; "
+                       "gathered before use)")
+    # Without a compiled stage (the weights alone were too large to try) the activations are unknown: leave a
+    # quarter of the chip for them. (Wan 14B on v5e-1: v5e-8's weights, 13.3 GiB, looked like a fit; compiled, its
+    # step's activations took it to 17.3 GiB.)
+    measured = any(r.compiled or _needed_bytes(r) for r in report.stages.values())
+    margin = 0.9 if measured else 0.75
+    for chips in _SLICE_SIZES[topo.kind]:
+        if chips <= topo.chips:
+            continue
+        bigger = parse_topology(f"{topo.kind}-{chips * (2 if topo.kind in ('v5p', 'v4') else 1)}")
+        try:
+            devices = bigger.devices()
+        except InputError:
+            continue
+        spec = default_mesh(bigger.chips, family.heads)
+        estimate = weights_for(spec, family.fsdp, devices) + activations * topo.chips // bigger.chips
+        if estimate <= margin * hbm:
+            out.append(f"a larger slice: {bigger.name} with mesh {spec}, about {estimate / GIB:.1f} GiB per chip "
+                       f"({'estimate' if measured else 'weights alone'}; confirm with plan --topology {bigger.name})")
+            break
+    if family.dtype_name == "float32":
+        out.append("--dtype bfloat16 halves the weights")
+    if not out:
+        out.append("nothing on this slice kind fits by the estimate: use a chip with more HBM (v5p has 95 GiB)")
+    return out
+
+
+def _out_of_hbm(stage: StageReport) -> bool:
+    return bool(stage.error) and "RESOURCE_EXHAUSTED" in stage.error
+
+
+_UNITS = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
+
+
+def _needed_bytes(stage: StageReport) -> int:
+    """What a program the compiler refused for want of HBM said it needs per chip (its temporaries, or what it
+    had used when it stopped: a lower bound); 0 when the error says neither."""
+    if not _out_of_hbm(stage):
+        return 0
+    found = re.search(r"required for HLO temporaries \(([\d.]+)([KMG])\)", stage.error) or \
+        re.search(r"Used ([\d.]+)([KMG]) of [\d.]+[KMG] hbm", stage.error)
+    return int(float(found.group(1)) * _UNITS[found.group(2)]) if found else 0
+
+
+def _activation_bytes(stage: StageReport) -> int:
+    """A stage's own bytes beyond its weights: compiled, from the compiler's analysis; refused for want of HBM,
+    what the compiler said it needed."""
+    if stage.compiled:
+        return max(0, stage.total_bytes_per_chip - stage.weights_bytes_per_chip)
+    return _needed_bytes(stage)
+
+
+def _settings_of(family) -> SampleSettings:
+    h, w, f = family.native_size()
+    return SampleSettings(h, w, f, guidance=family.DEFAULT_GUIDANCE)
+
+
+# --- printing --------------------------------------------------------------------------------------------------
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def format_report(r: PlanReport) -> str:
+    depth = f", {r.layers} transformer layer(s) (reduced depth)" if r.layers else ""
+    lines = [
+        f"plan: {r.model} at {r.width}x{r.height}x{r.frames} ({'CFG' if r.cfg else 'no CFG'}, {r.dtype}, "
+        f"{r.attention} attention{depth})",
+        f"  on {r.topology}: {r.chips} chip(s), {r.hosts} host(s), {_gib(r.chip_hbm_bytes)} GiB HBM per chip; "
+        f"mesh {r.mesh}{', FSDP' if r.fsdp else ''}, VAE {r.vae_sharding}",
+        f"  {'stage':<12}{'compiled':>9}{'weights':>9}{'temp':>8}{'total':>8}  GiB/chip"
+        f"{'all-red':>9}{'all-gat':>9}{'mosaic':>8}{'compile s':>11}",
+    ]
+    for name, s in r.stages.items():
+        lines.append(f"  {name:<12}{'yes' if s.compiled else 'NO':>9}{_gib(s.weights_bytes_per_chip):>9}"
+                     f"{_gib(s.temp_bytes_per_chip):>8}{_gib(s.total_bytes_per_chip):>8}          "
+                     f"{s.all_reduces:>9}{s.all_gathers:>9}{s.mosaic_kernels:>8}{s.compile_seconds:>11.1f}")
+        if s.error:
+            lines.append(f"           {s.error}")
+    if len(r.candidates) > 1:
+        tried = "; ".join(f"{c['mesh']}: {_gib(c['peak_bytes_per_chip'])} GiB"
+                          f"{'' if c['fits'] else ' (does not fit)'}" for c in r.candidates)
+        lines.append(f"  meshes tried: {tried}")
+    verdict = "FITS" if r.fits else "DOES NOT FIT"
+    failed = [name for name, s in r.stages.items() if not s.compiled]
+    if failed:
+        lines.append(f"  verdict: {verdict}: {', '.join(failed)} did not compile (above); all weights resident "
+                     f"{_gib(r.resident_weights_bytes_per_chip)} of {_gib(r.chip_hbm_bytes)} GiB per chip")
+    else:
+        lines.append(f"  verdict: {verdict}: peak {_gib(r.peak_bytes_per_chip)} of {_gib(r.chip_hbm_bytes)} GiB per "
+                     f"chip (all weights resident, {_gib(r.resident_weights_bytes_per_chip)} GiB, + the largest "
+                     "stage's activations)")
+    for s in r.suggestions:
+        lines.append(f"  try: {s}")
+    lines.append(f"  planned in {r.seconds:.0f} s on this machine (peak host memory "
+                 f"{r.host_peak_rss_bytes / GIB:.1f} GiB); run times need the real slice")
+    return "\n".join(lines)
+
+
+def add_args(parser) -> None:
+    from ..families import registry
+    from .options import add_file_args
+
+    parser.add_argument("--model", help="a diffusers folder or a known model (a comma list plans each): "
+                        + ", ".join(registry.known_models()))
+    add_file_args(parser)
+    parser.add_argument("--topology", required=True, help="TPU slice(s), comma list: v6e-8, v6e-4, v5e-8, v5p-8, "
+                        "v6e-1, v6e-16, ...")
+    parser.add_argument("--height", type=int)
+    parser.add_argument("--width", type=int)
+    parser.add_argument("--frames", type=int)
+    parser.add_argument("--guidance", type=float, help="CFG scale; 1 or less plans without CFG (batch 1)")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--mesh", help="dp=N,sp=N,tp=N; default: try candidate meshes and pick the smallest fit")
+    parser.add_argument("--candidates", type=int, default=3, help="how many meshes to try without --mesh (1: the "
+                        "default mesh only)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--attention", default="auto", choices=["auto", "splash", "blockwise", "reference"])
+    parser.add_argument("--block-q", type=int, default=3328)
+    parser.add_argument("--block-kv", type=int, default=2816)
+    parser.add_argument("--block-kv-compute", type=int, default=256)
+    parser.add_argument("--exp2", action="store_true")
+    parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--vae-sharding", default="auto", choices=["auto", "width", "replicated"],
+                        help="the decode's layout (auto: width on more than one chip)")
+    parser.add_argument("--stages", default=",".join(STAGES), help="comma list of encode,image,sample,decode (image: image-to-video models)")
+    parser.add_argument("--layers", type=int, help="compile the transformer with this many layers (a quick check; "
+                        "reported as reduced depth)")
+    parser.add_argument("--json", help="also write the report as JSON to this file")
+
+
+def run(args) -> int:
+    """Plan every model × topology given (comma lists); identical programs compile once per topology."""
+    from ..engine.attention import AttentionConfig
+    from .options import file_args
+
+    attention = AttentionConfig(impl=args.attention, block_q=args.block_q, block_kv=args.block_kv,
+                                block_kv_compute=args.block_kv_compute, exp2=args.exp2)
+    models = [m.strip() for m in args.model.split(",")] if args.model else [None]
+    topologies = [parse_topology(t) for t in args.topology.split(",")]  # all checked before anything compiles
+    reports = []
+    for topology in topologies:
+        for model in models:
+            source = ModelSource(model, file_args(args))
+            report = plan(source, topology, height=args.height, width=args.width, frames=args.frames,
+                          guidance=args.guidance, steps=args.steps, mesh=args.mesh, dtype=args.dtype,
+                          attention=attention, fsdp=args.fsdp, vae_sharding=args.vae_sharding,
+                          stages=tuple(s.strip() for s in args.stages.split(",") if s.strip()), layers=args.layers,
+                          max_candidates=args.candidates)
+            print(format_report(report), flush=True)
+            reports.append(report.to_json())
+            if args.json:  # rewritten after every plan: a long table run keeps what it has so far
+                data = reports[0] if len(models) * len(topologies) == 1 else reports
+                Path(args.json).write_text(json.dumps(data, indent=2))
+    return 0 if all(r["fits"] for r in reports) else 3
