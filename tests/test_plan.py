@@ -512,3 +512,79 @@ def test_a_multi_host_slice_is_planned_per_chip():
     assert sample.weights_bytes_per_chip == _param_bytes_per_chip(family, "transformer")
     assert 0 < sample.total_bytes_per_chip < report.chip_hbm_bytes
     assert sample.all_reduces >= 2 and sample.all_gathers == 0 and sample.mosaic_kernels == 2
+
+
+# --- answers fast, stops cleanly, TPU v7x ------------------------------------------------------------------------
+def test_a_model_that_cannot_fit_is_answered_in_seconds_with_advice(capsys):
+    """The resident weights alone exceed the chip: no stage is compiled (the VAE decode alone took minutes), the
+    verdict and the advice come at once."""
+    import time
+
+    from tpu_runtime.tools.cli import main
+
+    start = time.monotonic()
+    code = main(["plan", "--model", "wan2.1-t2v-14b", "--topology", "v5e-1"])
+    seconds = time.monotonic() - start
+    out = capsys.readouterr().out
+    assert code == 3 and seconds < 30, (seconds, out)
+    assert "verdict: DOES NOT FIT: the weights resident on every chip alone need 37.5 GiB" in out
+    assert re.search(r"decode_frame +skipped", out) and "--every-stage" in out
+    assert "try: a larger slice: v5e-8" in out
+
+
+def test_sigterm_during_a_long_compile_stops_the_plan_cleanly(tmp_path):
+    """The compile runs in a thread; the signal is handled at once, the partial plan printed, no traceback."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from conftest import subprocess_env
+
+    proc = subprocess.Popen([sys.executable, "-m", "tpu_runtime", "plan", "--model", "wan2.1-t2v-1.3b", "--topology",
+                             "v6e-8", "--candidates", "1", "--stages", "sample,decode"], cwd=tmp_path,
+                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err_lines = []
+    reader = threading.Thread(target=lambda: err_lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 300
+    while not any("compiling Wan sampler step" in line for line in err_lines) and time.monotonic() < deadline \
+            and proc.poll() is None:
+        time.sleep(0.5)
+    assert any("compiling Wan sampler step" in line for line in err_lines), "".join(err_lines)[-3000:]
+    time.sleep(2)  # inside the compiler now
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out = proc.stdout.read()
+    proc.wait(timeout=60)
+    reader.join(timeout=10)
+    err = "".join(err_lines)
+    assert time.monotonic() - sent < 15
+    assert proc.returncode == 128 + signal.SIGTERM, (out, err[-3000:])
+    assert "plan stopped by SIGTERM" in out and "it was compiling Wan sampler step" in out
+    assert "Traceback" not in err
+
+
+def test_v7x_counts_two_devices_a_chip_and_reports_per_device(capsys):
+    """TPU v7x (Ironwood): v7x-8 is 4 chips, each two TensorCores that JAX counts as two devices with half the
+    chip's HBM; the plan compiles a Wan 1.3B step on the 8 devices and reports memory per device and per chip."""
+    topo = parse_topology("v7x-8")
+    assert (topo.chips, topo.device_count, topo.devices_per_chip, topo.hosts) == (4, 8, 2, 1)
+    assert topo.hbm_bytes == 96 * GIB and topo.chip_hbm_bytes == 192 * GIB
+    devices = topo.devices()
+    assert len(devices) == 8 and devices[0].device_kind == "TPU7x"
+    assert len({tuple(d.coords) for d in devices}) == 4  # two devices on each of the 4 chips
+    from tpu_runtime.tools.plan import format_report
+
+    report = plan(ModelSource("wan2.1-t2v-1.3b"), "v7x-8", height=128, width=128, frames=9, stages=("sample",),
+                  layers=1, max_candidates=1)
+    sample = report.stages["sample"]
+    assert sample.compiled and sample.mosaic_kernels == 2 and report.fits  # splash for v7x: self + cross attention
+    assert report.devices_per_chip == 2 and report.mesh == "dp=2,sp=1,tp=4"
+    assert 0 < report.peak_bytes_per_chip < 96 * GIB  # per device
+    text = format_report(report)
+    assert "4 chip(s) = 8 devices (2 TensorCores a chip)" in text and "= 96.00 GiB per device" in text
+    verdict = next(line for line in text.splitlines() if "verdict" in line)
+    assert "of 96.00 GiB per device" in verdict
+    assert f"{report.peak_bytes_per_chip * 2 / GIB:.2f} GiB per chip" in verdict

@@ -42,7 +42,7 @@ from .lora import LoraMerger, LoraSpec, name_aliases, read_lora
 from .runtime import Runtime, compile_stats, get_runtime
 from .sharding import MeshSpec, default_mesh, frame_split_spec, parse_mesh, validate_mesh
 from .stages import ImageConditioning, SampleSettings, StageProgram, StageTimings, TextEmbeddings, VideoLatents
-from .validation import check_steps
+from .validation import check_number
 from .weights import build_empty, keep_fp32_modules, load_into_meta_module, meta_tensors
 
 log = logging.getLogger(__name__)
@@ -254,8 +254,12 @@ class ModelFamily:
         self._parts[name] = part
         seconds = time.perf_counter() - start
         self.timings.load += seconds
-        log.info("loaded %s/%s in %.1f s", self.label, name, seconds)
+        log.info("loaded %s in %.1f s", self._origin(name), seconds)
         return part
+
+    def _origin(self, name: str) -> str:
+        """Where component ``name`` is read from, for messages."""
+        return f"{self.label}/{name}"
 
     def source_paths(self) -> list[Path]:
         """The files and folders the model is read from (every host of a slice must have the same)."""
@@ -367,8 +371,6 @@ class ModelFamily:
         raise StageFileError("the latents were sampled by a different model than the one decoding: decode with "
                              "the model that sampled them, or re-run sampling")
 
-    check_steps = staticmethod(check_steps)
-
     def check_embeddings(self, embeddings: TextEmbeddings, expected: tuple[int, ...]) -> None:
         self.check_made_here(embeddings)
         if tuple(embeddings.prompt_embeds.shape) != tuple(expected):
@@ -380,15 +382,25 @@ class ModelFamily:
     def check_cfg_mesh(self, cfg: bool) -> None:
         validate_mesh(self.mesh_spec, len(self.devices), self.heads, batch=2 if cfg else 1)
 
-    def check_sample(self, embeddings: TextEmbeddings, s: SampleSettings, image: "ImageConditioning | None",
-                     cfg: bool) -> None:
-        """Everything a sampling run checks before it compiles: sizes, settings, the image, steps, where the
-        embeddings come from, the mesh against the CFG batch; then the LoRAs are merged (a LoRA that does not fit
-        is refused before anything compiles)."""
+    def check_settings(self, s: SampleSettings) -> None:
+        """Settings a model can run, checked before anything runs: every number against its rule (zero and
+        negative values are refused, never replaced), the sizes, and the options of this family."""
+        check_number("steps", s.steps, minimum=1, integer=True)
+        check_number("seed", s.seed, minimum=0, integer=True)
+        check_number("guidance", s.guidance, minimum=0.0, optional=True)
+        check_number("guidance_2", s.guidance_2, minimum=0.0, optional=True)
+        check_number("shift", s.shift, above=0.0, optional=True)
+        check_number("boundary", s.boundary, above=0.0, below=1.0, optional=True)
         self.validate(s.height, s.width, s.num_frames)
         self.validate_settings(s)
+
+    def check_sample(self, embeddings: TextEmbeddings, s: SampleSettings, image: "ImageConditioning | None",
+                     cfg: bool) -> None:
+        """Everything a sampling run checks before it compiles: the settings, the image, where the embeddings
+        come from, the mesh against the CFG batch; then the LoRAs are merged (a LoRA that does not fit is refused
+        before anything compiles)."""
+        self.check_settings(s)
         self.check_conditioning(image, s)
-        self.check_steps(s.steps)
         self.check_embeddings(embeddings, self.text_shape())
         self.check_cfg_mesh(cfg)
         self.apply_loras(self.lora_targets(s))

@@ -27,10 +27,13 @@ def resolve_model_path(model: str | Path) -> Path:
 
         return Path(snapshot_download(model))
     except Exception as exc:  # noqa: BLE001 - any failure means: not reachable from here
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        why = (lines[0][:160] if lines else type(exc).__name__).rstrip(".")
         raise ModelFolderError(
-            f"{model!r} is not a local folder and could not be downloaded from the model hub ({exc}). "
-            "Download it on a machine with network access and pass the local folder"
-        ) from exc
+            f"model folder {path.absolute()} does not exist; read as a model-hub id, {model!r} could not be "
+            f"downloaded either ({why}). Check the path, or download the model on a machine with network access "
+            "and pass its folder"
+        ) from None
 
 
 def read_model_index(folder: Path, example: str = "") -> dict:
@@ -81,10 +84,13 @@ def components(index: dict) -> list[str]:
 
 
 def inspect_folder(folder: Path, index: dict, *, required: tuple[str, ...], weights: bool = True) -> None:
-    """Check that every component ``index`` names (and every ``required`` one) is complete in ``folder``; one
-    message lists everything missing. ``weights=False``: configs only (planning needs no weights, no tokenizer)."""
+    """Check that every component ``index`` names (and every ``required`` one) is complete in ``folder``: one
+    message lists everything missing; then every weight file is checked whole (``weights.read_header``: a
+    download cut short is refused now, not when its tensors are read). ``weights=False``: configs only
+    (planning needs no weights, no tokenizer)."""
     folder = Path(folder)
     missing = [f"{name} (not in model_index.json)" for name in required if not present(index.get(name))]
+    weight_files = []
     for name in components(index):
         kind = component_kind(index[name])
         sub = folder / name
@@ -97,6 +103,8 @@ def inspect_folder(folder: Path, index: dict, *, required: tuple[str, ...], weig
                 missing.append(f"{name}/config.json")
             if weights and not any(p.name.endswith(".safetensors") for p in sub.iterdir()):
                 missing.append(f"{name}/*.safetensors (no weights)")
+            elif weights:
+                weight_files.append((name, sub))
         elif kind == "scheduler" and not (sub / "scheduler_config.json").is_file():
             missing.append(f"{name}/scheduler_config.json")
         elif kind == "tokenizer" and not any((sub / f).is_file() for f in TOKENIZER_FILES):
@@ -106,6 +114,10 @@ def inspect_folder(folder: Path, index: dict, *, required: tuple[str, ...], weig
     if missing:
         raise ModelFolderError(f"model folder {folder} is incomplete, missing: {', '.join(missing)}. Re-download "
                                "those files from the model's diffusers repository")
+    from .weights import check_files, safetensors_files
+
+    for name, sub in weight_files:  # every shard whole, its header readable: seconds, no tensor read
+        check_files(safetensors_files(sub), f"{name}")
 
 
 def inspect_family_folder(folder: Path, spec, *, required: tuple[str, ...], index: dict | None = None,

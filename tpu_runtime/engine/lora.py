@@ -143,6 +143,9 @@ def read_lora(path: str | Path, params: dict[str, tuple[int, ...]], aliases: dic
     if not path.is_file():
         raise InputError(f"LoRA file {path} not found: give the path of a .safetensors LoRA (ComfyUI keeps them "
                          "in models/loras/)")
+    from .weights import read_header
+
+    read_header(path, "LoRA")  # a damaged or cut file is refused by name before any tensor is read
     try:
         tensors = load_file(str(path))
     except Exception as exc:  # noqa: BLE001 - safetensors raises several kinds

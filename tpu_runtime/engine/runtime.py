@@ -107,6 +107,47 @@ class CompiledProgram:
     memory: dict[str, int] = field(default_factory=dict)
 
 
+def tpu_chips_here() -> int:
+    """TPU chips on this machine's PCI bus, as JAX itself counts them before it loads libtpu (0 elsewhere)."""
+    try:
+        from jax._src import hardware_utils
+
+        return int(hardware_utils.num_available_tpu_chips_and_device_id()[0])
+    except Exception:  # noqa: BLE001 - a JAX without that helper: look for the devices TPU VMs have
+        import glob
+
+        return len(glob.glob("/dev/accel*")) + len(glob.glob("/dev/vfio/[0-9]*"))
+
+
+def choose_platform() -> str | None:
+    """With no TPU here and no platform asked for, keep JAX from starting libtpu (installed by ``jax[tpu]``), which
+    prints initialisation errors that look like failures: JAX runs on the GPU where its CUDA plugin is installed
+    and a GPU present, else on the CPU. Returns what was chosen (None: left to JAX). Call before any backend
+    starts."""
+    import importlib.util
+
+    import jax
+
+    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or tpu_chips_here():
+        return None
+    import glob
+
+    cuda = any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")) and \
+        bool(glob.glob("/dev/nvidia[0-9]*"))
+    platforms = "cuda,cpu" if cuda else "cpu"
+    jax.config.update("jax_platforms", platforms)
+    log.info("no TPU on this machine: JAX runs on %s (set JAX_PLATFORMS to choose)", platforms.split(",")[0])
+    return platforms
+
+
+class _DotDataNotice(logging.Filter):
+    """torchax warns "In-place to .data modifications still results a copy on TPU" whenever code merely reads a
+    traced tensor's ``.data`` (diffusers' modules do while we trace them): nothing is modified, so it is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "In-place to .data" not in record.getMessage()
+
+
 class Runtime:
     """Owns the backend, the device mesh, the torchax environment and the compiled-program table."""
 
@@ -114,6 +155,9 @@ class Runtime:
         import jax
 
         from .._torchax_compat import import_torchax
+
+        choose_platform()
+        logging.getLogger("torchax.tensor").addFilter(_DotDataNotice())
 
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
         self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -299,13 +343,18 @@ class Runtime:
             program = self._programs.get(full_key)
             if program is not None:
                 return program.executable
-            log.info("compiling %s (first run with this shape only; later runs reuse it)", describe or key)
+            log.info("preparing %s (once per shape: later calls reuse it)", describe or key)
+            before = compile_stats()
             start = time.perf_counter()
             executable = lower(fn, *example_args, static=static).compile()
             seconds = time.perf_counter() - start
             program = CompiledProgram(executable, seconds, _memory_analysis(executable))
             self._programs[full_key] = program
-            log.info("compiled %s in %.1f s", describe or key, seconds)
+            delta = compile_stats().since(before)
+            if delta.persistent_cache_hits and not delta.xla_compiles:
+                log.info("loaded %s from the persistent compilation cache in %.1f s", describe or key, seconds)
+            else:
+                log.info("compiled %s in %.1f s", describe or key, seconds)
             return executable
 
     def program_info(self, key: Hashable) -> CompiledProgram | None:

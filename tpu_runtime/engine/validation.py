@@ -1,7 +1,10 @@
-"""Checks of what a user typed, shared by every family: sizes, frame counts, steps. Each returns or raises a
-message that names the input, the rule and a value that would be accepted."""
+"""Checks of what a user typed, shared by every family and by the CLI and the nodes: numbers against their rules,
+sizes, frame counts. Each returns or raises a message that names the input, the rule and what would be
+accepted."""
 
 from __future__ import annotations
+
+import math
 
 from ..errors import InputError
 
@@ -36,9 +39,30 @@ def frame_problem(num_frames, rule: int, native: int, model: str) -> str | None:
             f"(e.g. {k * rule + 1} or {native}, the native length)")
 
 
-def check_steps(steps) -> None:
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise InputError(f"steps={steps} must be a positive whole number (50 is the usual choice)")
+def check_number(name: str, value, *, minimum=None, above=None, below=None, integer: bool = False,
+                 optional: bool = False) -> None:
+    """Refuse ``value`` unless it is a finite number (a whole one with ``integer``) >= ``minimum``, > ``above``
+    and < ``below``; None is allowed when ``optional`` (the default is used). The message names the input and
+    the rule."""
+    if value is None and optional:
+        return
+    kind = "a whole number" if integer else "a number"
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and integer:
+        ok = float(value).is_integer()
+    rules = []
+    if minimum is not None:
+        rules.append(f"at least {minimum}")
+        ok = ok and value >= minimum
+    if above is not None:
+        rules.append(f"above {above}")
+        ok = ok and value > above
+    if below is not None:
+        rules.append(f"below {below}")
+        ok = ok and value < below
+    if not ok:
+        leave = " (leave it out for the model's default)" if optional else ""
+        raise InputError(f"{name} {value} must be {kind} {' and '.join(rules)}{leave}")
 
 
 def raise_problems(problems: list[str]) -> None:

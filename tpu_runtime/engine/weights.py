@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import re
 from pathlib import Path
 from typing import Callable, Iterable
@@ -50,19 +51,69 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """name -> (shape, dtype string) of every tensor in a safetensors file, without reading any tensor."""
+# Bytes per element of each dtype a safetensors header may name.
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "U16": 2,
+               "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1,
+               "C64": 8}
+
+
+class DamagedFile(ModelFolderError):
+    """A weight file that is not whole: ``reason`` says what is wrong with it."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def read_header(path: Path, what: str = "") -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, dtype string) of every tensor in a safetensors file, without reading any tensor; and the
+    checks that catch a damaged or half-downloaded file before anything runs: the header parses, every dtype is
+    known, and every tensor's bytes lie inside the file (a download cut inside its data keeps a valid header, and
+    safetensors only fails when the missing tensor is read, which for the VAE is after every sampling step)."""
     path = Path(path)
+    name = f"{what} file {path}" if what else str(path)
+
+    def damaged(reason: str) -> DamagedFile:
+        return DamagedFile(f"{name} {reason}: re-download it", reason)
+
     try:
+        file_size = path.stat().st_size
         with open(path, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
-            if size <= 0 or size > 100 * 2**20:
-                raise ValueError("not a safetensors header")
+            if file_size < 8 or size <= 0 or size > 100 * 2**20 or 8 + size > file_size:
+                raise ValueError("not a safetensors file, or cut inside its header")
             header = json.loads(f.read(size))
-    except (OSError, ValueError) as exc:
-        raise ModelFolderError(f"{path} is not a readable safetensors file ({exc}): check the path, or "
-                               "re-download it") from exc
-    return {k: (tuple(v["shape"]), v["dtype"]) for k, v in header.items() if k != "__metadata__"}
+        if not isinstance(header, dict):
+            raise ValueError("its header is not a table of tensors")
+    except OSError as exc:
+        raise ModelFolderError(f"{name} cannot be read ({exc}): check the path") from exc
+    except ValueError as exc:
+        raise damaged(f"is not a readable safetensors file ({exc})") from exc
+    data = file_size - 8 - size
+    tensors = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise damaged(f"has a damaged header (tensor {key})") from None
+        if dtype not in DTYPE_BYTES:
+            raise ModelFolderError(f"{name}: tensor {key} has dtype {dtype}, which this pack cannot read: use a "
+                                   "file in a float format (fp32, fp16, bf16, fp8)")
+        if not 0 <= begin <= end or end - begin != math.prod(shape) * DTYPE_BYTES[dtype]:
+            raise damaged(f"has a damaged header (tensor {key}'s size does not match its shape)")
+        if end > data:
+            raise damaged(f"is cut short: it holds {data + 8 + size:,} bytes but its tensor {key} ends at byte "
+                          f"{end + 8 + size:,} (an interrupted download?)")
+        tensors[key] = (shape, dtype)
+    return tensors
+
+
+def check_files(files: Iterable[Path], what: str = "") -> None:
+    """Every file readable and whole (``read_header``), before anything loads or runs."""
+    for f in files:
+        read_header(f, what)
 
 
 def strip_prefix(names: Iterable[str], prefixes: Iterable[str]) -> dict[str, str]:

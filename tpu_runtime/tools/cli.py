@@ -1,14 +1,15 @@
-"""``python -m tpu_runtime generate|demo|bench|plan``: the staged pipeline from the command line.
+"""``tpu-video`` (or ``python -m tpu_runtime``) ``generate|demo|bench|plan|worker``: the staged pipeline from the
+command line.
 
-generate  runs encode → sample → decode (or one of them, from the files of the stage before) and writes
-          generation_config.json, stage1_embeddings.safetensors, stage2_latents.safetensors, frames.safetensors
-          and output_video.mp4 into --output-dir. --model takes a CogVideoX or Wan diffusers folder; Wan also
-          loads from ComfyUI's single files (--transformer [--transformer-2] --text-encoder --vae).
-demo      builds a tiny random-weight CogVideoX or Wan model on the spot and runs generate on it.
-bench     times every stage and counts compiles against diffusers eager on the same weights (see bench.py).
-worker    joins a multi-host slice and runs what its first process (ComfyUI or generate) asks (see multihost.py).
+generate  text or image to video: runs encode → sample → decode (or one of them, from the files of the stage
+          before) and writes generation_config.json, stage1_embeddings.safetensors, stage2_latents.safetensors,
+          frames.safetensors and output_video.mp4 into --output-dir. --model takes a diffusers folder (CogVideoX,
+          Wan); Wan also loads from ComfyUI's single files (--transformer [--transformer-2] --text-encoder --vae).
+demo      builds a tiny RANDOM-weight model on the spot and runs generate on it (no download; the video is noise).
+bench     times every stage and counts compiles against diffusers eager on the same weights.
 plan      compiles every stage for a TPU slice this machine does not have and reports per-chip memory, collectives,
-          compile time and whether it fits (see plan.py).
+          compile time and whether it fits.
+worker    joins a multi-host slice and runs what its first process (ComfyUI or generate) asks.
 """
 
 from __future__ import annotations
@@ -25,6 +26,26 @@ from .options import add_file_args, file_args
 log = logging.getLogger("tpu_runtime")
 
 
+class _HelpWithDefaults(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default, where it has one and the help does not say it already."""
+
+    def _get_help_string(self, action):
+        help = action.help or ""
+        if action.default not in (None, False, [], argparse.SUPPRESS) and "default" not in help and \
+                action.option_strings:
+            help += " (default: %(default)s)"
+        return help
+
+
+def parser_for(sub, name: str, help: str) -> argparse.ArgumentParser:
+    """A subcommand's parser: options are exact (no abbreviations: ``--cache`` is never taken for ``--cache-dir``)
+    and their help shows their defaults."""
+    return sub.add_parser(name, help=help, description=help, allow_abbrev=False, formatter_class=_HelpWithDefaults)
+
+
+DEMO_PROMPT = "a panda playing a guitar"  # fits the tiny models' 16 text tokens
+
+
 def _add_generate_args(p: argparse.ArgumentParser, demo: bool = False) -> None:
     if not demo:
         p.add_argument("--model", help="a diffusers model folder (or hub id, with network)")
@@ -39,11 +60,12 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool = False) -> None:
         p.add_argument("--lora-2", dest="loras_2", action="append", default=[], metavar="FILE[:STRENGTH]",
                        help="Wan 2.2 A14B: a LoRA merged into the low-noise expert; repeat for several")
     p.add_argument("--negative-prompt", default="", help="what to steer away from (default: empty)")
-    p.add_argument("--height", type=int, help="pixels, multiple of 16 (32 for Wan TI2V-5B); default: native")
-    p.add_argument("--width", type=int, help="pixels, multiple of 16 (32 for Wan TI2V-5B); default: native")
+    size = "the tiny model's (64x96x9; 64x64x17 for 1.5)" if demo else "the model's native size"
+    p.add_argument("--height", type=int, help=f"pixels, multiple of 16 (32 for Wan TI2V-5B); default: {size}")
+    p.add_argument("--width", type=int, help=f"pixels, multiple of 16 (32 for Wan TI2V-5B); default: {size}")
     p.add_argument("--frames", type=int, help="CogVideoX 2b/5b 8N+1 (49), 1.5 16N+1 (81); Wan 4N+1 (81, "
-                   "TI2V-5B 121)")
-    p.add_argument("--steps", type=int, default=4 if demo else 50)
+                   f"TI2V-5B 121); default: {size}")
+    p.add_argument("--steps", type=int, default=4 if demo else 50, help="denoising steps")
     p.add_argument("--guidance", type=float, help="CFG scale; 1 or less turns CFG off (default: 6 CogVideoX, "
                    "5 Wan)")
     p.add_argument("--seed", type=int, default=0, help="same seed, same video as diffusers with this seed")
@@ -82,8 +104,13 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool = False) -> None:
                    help="width: split the VAE decode over the devices along the frame width (and the height with "
                    "the axes the width leaves); replicated: every device decodes the whole video; auto: width on "
                    "more than one device")
-    p.add_argument("--output-dir", required=True)
-    p.add_argument("-v", "--verbose", action="store_true")
+    if demo:
+        p.add_argument("--output-dir", default="demo_output", help="where the stage files, the mp4 and the tiny "
+                       "model go")
+    else:
+        p.add_argument("--output-dir", required=True, help="where the stage files, frames, mp4 and "
+                       "generation_config.json go (a later --stage reads the earlier stages' files from here)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log every stage's progress")
 
 
 def _request(args: argparse.Namespace, **overrides) -> GenerateRequest:
@@ -95,26 +122,28 @@ def _request(args: argparse.Namespace, **overrides) -> GenerateRequest:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tpu_runtime", description=__doc__,
+    prog = "tpu-video" if Path(sys.argv[0]).name == "tpu-video" else "python -m tpu_runtime"
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_generate_args(sub.add_parser("generate", help="text to video with a CogVideoX or Wan model"))
-    demo = sub.add_parser("demo", help="build a tiny RANDOM-weight model and run generate on it (no download)")
+    _add_generate_args(parser_for(sub, "generate", "text or image to video with a model folder or ComfyUI's files"))
+    demo = parser_for(sub, "demo", "build a tiny RANDOM-weight model and run generate on it (no download; the "
+                      "video is noise)")
     _add_generate_args(demo, demo=True)
     from ..families import registry
 
     demo.add_argument("--generation", choices=list(registry.demos()), default="2b",
                       help="which architecture the tiny model imitates")
-    demo.add_argument("--prompt", default="a panda playing a guitar in a bamboo forest at sunset")
+    demo.add_argument("--prompt", default=DEMO_PROMPT, help="what the (noise) video is asked to show")
     from . import bench
 
-    bench.add_args(sub.add_parser("bench", help="time stages, count compiles, compare with diffusers eager"))
+    bench.add_args(parser_for(sub, "bench", "time stages, count compiles, compare with diffusers eager"))
     from . import plan
 
-    plan.add_args(sub.add_parser("plan", help="compile every stage for a TPU slice (no TPU needed) and report "
-                                 "per-chip memory and whether it fits"))
-    worker = sub.add_parser("worker", help="on every host of a multi-host slice but the first: join it and run "
-                            "what the first process (ComfyUI or generate, with TPU_VIDEO_MULTIHOST=1) asks")
+    plan.add_args(parser_for(sub, "plan", "compile every stage for a TPU slice (no TPU needed) and report "
+                             "per-chip memory and whether it fits"))
+    worker = parser_for(sub, "worker", "on every host of a multi-host slice but the first: join it and run what "
+                        "the first process (ComfyUI or generate, with TPU_VIDEO_MULTIHOST=1) asks")
     worker.add_argument("--coordinator", help="host:port of the first process (default: $TPU_VIDEO_COORDINATOR; on a "
                         "TPU VM JAX finds it)")
     worker.add_argument("--processes", type=int, help="processes in the slice, one per host (default: "
@@ -182,6 +211,9 @@ def _demo(args: argparse.Namespace) -> int:
               f"pipeline runs end to end on this machine; use a real {spec.display_name} model with `generate` for "
               "real video.")
     print(banner)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # "Writing model shards" bars of the tiny text encoder's save
     spec.build_demo(args.generation, model_dir)
     req = _request(args, model=str(model_dir), height=args.height or demo.height, width=args.width or demo.width,
                    frames=args.frames or demo.frames)

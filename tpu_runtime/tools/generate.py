@@ -77,11 +77,53 @@ def open_model(req: GenerateRequest, runtime=None):
                                attention=req.attention_config(), fsdp=req.fsdp, vae_sharding=req.vae_sharding)
 
 
+def check_request_numbers(req: GenerateRequest) -> None:
+    """The request's numbers, each against its rule, before anything loads or runs. Leaving an option out (None)
+    means the model's default; zero and negative values are mistakes, refused with the rule."""
+    from ..engine.validation import check_number
+
+    for name, value in (("height", req.height), ("width", req.width), ("frames", req.frames), ("fps", req.fps)):
+        check_number(f"--{name}", value, minimum=1, integer=True, optional=True)
+    check_number("--steps", req.steps, minimum=1, integer=True)
+    check_number("--seed", req.seed, minimum=0, integer=True)
+    check_number("--guidance", req.guidance, minimum=0.0, optional=True)
+    check_number("--guidance-2", req.guidance_2, minimum=0.0, optional=True)
+    check_number("--shift", req.shift, above=0.0, optional=True)
+    check_number("--boundary", req.boundary, above=0.0, below=1.0, optional=True)
+
+
+def _stage_size(req: GenerateRequest, family, out: Path) -> tuple[int, int, int]:
+    """The video's size: what the request gives, else what the stage files it starts from were made at (a later
+    stage never guesses: the embeddings record the size they were encoded for, the latents theirs), else the
+    model's native size. An option that contradicts its stage file is refused, naming both values."""
+    from ..errors import StageFileError
+    from . import stage_files as sf
+
+    made, source = None, ""
+    if req.stage == "decode":
+        latents = sf.load_latents(out)
+        family.check_made_here(latents)
+        made, source = (latents.height, latents.width, latents.num_frames), "the latents were sampled at"
+        redo = "re-run --stage sample"
+    elif req.stage == "sample":
+        made, source = sf.encoded_size(out), "stage 1 was encoded for"
+        redo = "re-run --stage encode at that size"
+    asked = (req.height, req.width, req.frames)
+    if made is not None:
+        for name, a, m in zip(("height", "width", "frames"), asked, made):
+            if a is not None and a != m:
+                raise StageFileError(f"--{name} {a} differs from the {m} {source} (in {out}): drop --{name}, or "
+                                     f"{redo}")
+        return made
+    native = family.native_size()
+    return tuple(n if a is None else a for a, n in zip(asked, native))
+
+
 def generate(req: GenerateRequest, family=None) -> dict:
     """Run the requested stage(s); return the generation config written to the output folder."""
     from ..engine.runtime import compile_stats, get_runtime
     from ..engine.stages import SampleSettings
-    from ..errors import InputError, StageFileError
+    from ..errors import InputError
     from . import stage_files as sf
     from .video import write_mp4
 
@@ -94,29 +136,16 @@ def generate(req: GenerateRequest, family=None) -> dict:
     stats_before = compile_stats()
     family = family or open_model(req, runtime)
 
-    native_h, native_w, native_f = family.native_size()
-    height, width, frames = req.height or native_h, req.width or native_w, req.frames or native_f
-    if req.stage == "decode":
-        latents = sf.load_latents(out)
-        family.check_made_here(latents)
-        for name, asked, saved in (("height", req.height, latents.height), ("width", req.width, latents.width),
-                                   ("frames", req.frames, latents.num_frames)):
-            if asked is not None and asked != saved:
-                raise StageFileError(
-                    f"--{name} {asked} differs from the {saved} the latents in {out} were sampled at: drop --{name} "
-                    "or re-run --stage sample"
-                )
-        height, width, frames = latents.height, latents.width, latents.num_frames
+    check_request_numbers(req)  # a value given is a value used: zero or negative is refused, never replaced
+    height, width, frames = _stage_size(req, family, out)
     family.validate(height, width, frames)
-    fps = req.fps or family.default_fps()
-    if fps < 1:
-        raise InputError(f"--fps {fps} must be at least 1")
+    fps = family.default_fps() if req.fps is None else req.fps
     guidance = req.guidance if req.guidance is not None else family.DEFAULT_GUIDANCE
     loras, loras_2 = req.lora_specs()
     settings = SampleSettings(height, width, frames, req.steps, guidance, req.seed, req.scheduler, req.dynamic_cfg,
                               req.shift, req.guidance_2, req.boundary, loras=loras, loras_2=loras_2)
     if req.stage in ("all", "sample"):
-        family.validate_settings(settings)  # before the encode stage spends any time
+        family.check_settings(settings)  # before the encode stage spends any time
         family.apply_loras(family.lora_targets(settings), merge=False)  # every LoRA file read and checked too
     elif loras or loras_2:
         raise InputError(f"--lora applies to sampling: use it with --stage all or --stage sample, not {req.stage}")
@@ -140,7 +169,7 @@ def generate(req: GenerateRequest, family=None) -> dict:
         if not req.prompt:
             raise InputError("--prompt is required for --stage all and --stage encode")
         embeddings = family.encode(req.prompt, req.negative_prompt)
-        sf.save_embeddings(out, embeddings)
+        sf.save_embeddings(out, embeddings, size=(height, width, frames))
         config.update(prompt=req.prompt, negative_prompt=req.negative_prompt)
         image = None
         if images[0] is not None:

@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import resource
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -32,87 +33,14 @@ import numpy as np
 from ..engine.sharding import MeshSpec, _divisors, default_mesh, parse_mesh
 from ..engine.stages import SampleSettings
 from ..errors import InputError
+from .topology import _SLICE_SIZES, _TENSORCORE_NAMED, EXAMPLES, GIB, Topology, parse_topology  # noqa: F401
 
 log = logging.getLogger(__name__)
 
-GIB = 1024 ** 3
-# HBM per chip (Cloud TPU documentation).
-CHIP_HBM = {"v4": 32 * GIB, "v5e": 16 * GIB, "v5p": 95 * GIB, "v6e": 32 * GIB}
-# v5e/v6e slices are 2-D (chips); v4/v5p slices are named by TensorCores (2 per chip) and are 3-D.
-_LAYOUT_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}
-_LAYOUT_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8)}
-_SLICE_SIZES = {"v5e": (1, 4, 8, 16, 32, 64), "v6e": (1, 4, 8, 16, 32, 64), "v5p": (8, 16, 32, 64, 128),
-                "v4": (8, 16, 32, 64, 128)}
 MOSAIC = "tpu_custom_call"  # a Pallas kernel lowered for TPU
 STAGES = ("encode", "image", "sample", "decode")  # image: image-to-video models only
 _COLLECTIVES = {"all_reduces": "all-reduce", "all_gathers": "all-gather", "reduce_scatters": "reduce-scatter",
                 "all_to_alls": "all-to-all", "collective_permutes": "collective-permute"}
-
-
-# --- topologies ------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Topology:
-    """A TPU slice as users name it (``v6e-8``): chip kind, chip count, physical layout, HBM per chip."""
-
-    name: str
-    kind: str
-    chips: int
-    layout: tuple[int, ...]
-
-    @property
-    def hbm_bytes(self) -> int:
-        return CHIP_HBM[self.kind]
-
-    @property
-    def hosts(self) -> int:
-        return max(1, self.chips // self._chips_per_host)
-
-    @property
-    def _chips_per_host(self) -> int:
-        # Single-host slices hold every chip (v5e/v6e up to 8); multi-host slices are made of 4-chip hosts.
-        return self.chips if self.kind in ("v5e", "v6e") and self.chips <= 8 else 4
-
-    def devices(self) -> list:
-        """The slice's chips as abstract JAX devices (compile for them; nothing runs)."""
-        from jax.experimental import topologies
-
-        # libtpu takes a machine-wide lock when it loads, for the TPU it drives; describing a topology drives no
-        # TPU, so a plan may run beside another plan or a server that holds the chips.
-        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-        name = f"{self.kind}:{'x'.join(map(str, self.layout))}"
-        bounds = None
-        if self.kind in ("v5e", "v6e") and self.chips <= 8:
-            bounds = (*self.layout, 1)
-        elif self.chips < 4:
-            bounds = self.layout
-        try:
-            kwargs = {"chips_per_host_bounds": bounds} if bounds else {}
-            return list(topologies.get_topology_desc(platform="tpu", topology_name=name, **kwargs).devices)
-        except Exception as exc:  # noqa: BLE001 - no libtpu, or a layout this libtpu does not know
-            raise InputError(f"cannot describe TPU topology {self.name} ({name}): {exc}. plan needs the TPU compiler "
-                             "that jax[tpu] installs (pip install 'jax[tpu]')") from exc
-
-    def __str__(self) -> str:
-        return self.name
-
-
-def parse_topology(text: str) -> Topology:
-    """``v6e-8``, ``v5e-4``, ``v5p-8`` (TensorCores, as Google names v5p/v4 slices), ``v6e-1``; or ``v6e:2x4``."""
-    raw = str(text).strip().lower().replace("v5litepod", "v5e")
-    match = re.fullmatch(r"(v4|v5e|v5p|v6e)[-:](\S+)", raw)
-    if match:
-        kind, size = match.groups()
-        if ":" in raw:
-            layout = tuple(int(x) for x in size.split("x"))
-            return Topology(raw, kind, int(np.prod(layout)), layout)
-        if size.isdigit():
-            n = int(size)
-            if kind in ("v5e", "v6e") and n in _LAYOUT_2D:
-                return Topology(raw, kind, n, _LAYOUT_2D[n])
-            if kind in ("v5p", "v4") and n // 2 in _LAYOUT_3D and n % 2 == 0:
-                return Topology(raw, kind, n // 2, _LAYOUT_3D[n // 2])
-    examples = "v6e-8, v6e-4, v5e-8, v5p-8, v6e-1, v6e-16 (or a layout such as v6e:2x4)"
-    raise InputError(f"topology {text!r} is not a TPU slice this plan knows: use one of {examples}")
 
 
 # --- reports ---------------------------------------------------------------------------------------------------
@@ -120,6 +48,7 @@ def parse_topology(text: str) -> Topology:
 class StageReport:
     compiled: bool
     error: str | None = None
+    skipped: bool = False  # not compiled: the verdict was already "does not fit"
     describe: str = ""
     weights_bytes_per_chip: int = 0
     argument_bytes_per_chip: int = 0
@@ -142,6 +71,7 @@ class MeshReport:
     resident_weights_bytes_per_chip: int
     peak_bytes_per_chip: int
     stages: dict[str, StageReport] = field(default_factory=dict)
+    why: str = ""  # what made it "does not fit", when it does not
 
 
 @dataclass
@@ -164,7 +94,9 @@ class PlanReport:
     fits: bool
     peak_bytes_per_chip: int
     stages: dict[str, StageReport]
+    devices_per_chip: int = 1  # v7x: 2 (its TensorCores are two JAX devices); every *_per_chip is then per device
     resident_weights_bytes_per_chip: int = 0
+    why: str = ""
     candidates: list[dict] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -222,17 +154,13 @@ def compile_program(program, topo: Topology) -> StageReport:
     inputs_bytes = shard_bytes(dict(enumerate(inputs)))
     report = StageReport(compiled=False, describe=program.describe, weights_bytes_per_chip=weights_bytes)
     if weights_bytes > topo.hbm_bytes:
-        report.error = (f"not compiled: its weights alone need {weights_bytes / GIB:.1f} GiB per chip, the chip "
-                        f"has {topo.hbm_bytes / GIB:.0f} GiB")
+        report.error = _weights_alone(weights_bytes, topo)
         return report
     start = time.perf_counter()
     try:
-        with program.scope():
-            lowered = lower(program.fn, *program.example)
-        key = (topo.name, hashlib.sha256(lowered.as_text().encode()).hexdigest())
-        if key in _COMPILED:
+        key, compiled = _in_background(lambda: _lower_and_compile(program, topo, lower), program.describe, topo)
+        if compiled is None:
             return replace(_COMPILED[key], describe=program.describe)
-        compiled = lowered.compile()
     except MemoryError:
         report.error = "this machine ran out of host memory compiling it: plan on a machine with more memory"
         return report
@@ -257,6 +185,60 @@ def compile_program(program, topo: Topology) -> StageReport:
         setattr(report, name, value)
     _COMPILED[key] = report
     return report
+
+
+def _weights_alone(weights_bytes: int, topo: Topology) -> str:
+    return (f"not compiled: its weights alone need {weights_bytes / GIB:.1f} GiB per chip, the chip has "
+            f"{topo.hbm_bytes / GIB:.0f} GiB")
+
+
+def _lower_and_compile(program, topo: Topology, lower):
+    """(key, executable) of ``program`` for ``topo``; the executable is None when an identical program (same text,
+    same topology) was compiled before in this process."""
+    with program.scope():
+        lowered = lower(program.fn, *program.example)
+    key = (topo.name, hashlib.sha256(lowered.as_text().encode()).hexdigest())
+    if key in _COMPILED:
+        return key, None
+    return key, lowered.compile()
+
+
+PROGRESS_EVERY = 30.0  # seconds between "still compiling" lines
+
+
+def _in_background(work, describe: str, topo: Topology):
+    """``work()`` in a thread, this thread waiting in short slices: long compiles say every ``PROGRESS_EVERY``
+    seconds what is compiling and for how long, and SIGINT/SIGTERM are handled at once, not when the compiler
+    returns (minutes, for a VAE decode)."""
+    import threading
+
+    result: dict = {}
+
+    def target():
+        try:
+            result["value"] = work()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the waiting thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=target, name="plan-compile", daemon=True)
+    start = time.perf_counter()
+    _PROGRESS["compiling"] = f"{describe} for {topo}"
+    thread.start()
+    next_note = PROGRESS_EVERY
+    while thread.is_alive():
+        thread.join(timeout=0.5)
+        elapsed = time.perf_counter() - start
+        if thread.is_alive() and elapsed >= next_note:
+            log.info("still compiling %s for %s: %.0f s", describe, topo, elapsed)
+            next_note += PROGRESS_EVERY
+    _PROGRESS["compiling"] = None
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+# What a plan in progress has done, for a stop by SIGINT/SIGTERM to report.
+_PROGRESS: dict = {"compiling": None, "stages": None}
 
 
 @contextlib.contextmanager
@@ -326,11 +308,12 @@ def candidate_meshes(chips: int, heads: int, cfg: bool, fsdp: bool = False) -> l
 def plan(source: ModelSource, topology: str | Topology, *, height: int | None = None, width: int | None = None,
          frames: int | None = None, guidance: float | None = None, steps: int = 50, mesh=None,
          dtype: str = "bfloat16", attention=None, fsdp: bool = False, vae_sharding: str = "auto",
-         stages=STAGES, layers: int | None = None, max_candidates: int = 3) -> PlanReport:
+         stages=STAGES, layers: int | None = None, max_candidates: int = 3, every_stage: bool = False) -> PlanReport:
     """Compile ``stages`` of one generation for ``topology`` and report per-chip memory and what fits.
 
     With no ``mesh``, up to ``max_candidates`` meshes are compiled and the fitting one with the least per-chip
-    memory is chosen. Bad input raises ``InputError`` before anything compiles.
+    memory is chosen. Bad input raises ``InputError`` before anything compiles. Once a mesh's answer is "does not
+    fit", its other stages are not compiled unless ``every_stage``.
     """
     from ..engine.runtime import get_runtime
 
@@ -348,6 +331,9 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
         settings = SampleSettings(height or nh, width or nw, frames or nf, steps=steps,
                                   guidance=base.DEFAULT_GUIDANCE if guidance is None else float(guidance))
         cfg = settings.guidance > 1.0
+        if parse_mesh(mesh) is None and not cfg and base.mesh_spec != default_mesh(len(devices), base.heads, cfg):
+            base = open_abstract(source, devices, Path(work), mesh=default_mesh(len(devices), base.heads, cfg),
+                                 dtype=dtype, attention=attention, fsdp=fsdp, vae_sharding=vae_sharding, layers=layers)
         base.plan_programs(settings)  # every input checked (sizes, mesh vs CFG) before anything compiles
         if parse_mesh(mesh) is not None:
             meshes = [base.mesh_spec]
@@ -359,16 +345,17 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
                 family = base if spec == base.mesh_spec else open_abstract(
                     source, devices, Path(work), mesh=spec, dtype=dtype, attention=attention, fsdp=fsdp,
                     vae_sharding=vae_sharding, layers=layers)
-                results.append(_plan_mesh(family, settings, stages, topo))
+                results.append(_plan_mesh(family, settings, stages, topo, every_stage))
         fitting = [r for r in results if r.fits]
         chosen = min(fitting or results, key=lambda r: r.peak_bytes_per_chip)
         report = PlanReport(
             model=source.label, topology=topo.name, chips=topo.chips, hosts=topo.hosts, chip_hbm_bytes=topo.hbm_bytes,
+            devices_per_chip=topo.devices_per_chip,
             height=settings.height, width=settings.width, frames=settings.num_frames, cfg=cfg, dtype=base.dtype_name,
             attention=base.attention.impl + (" (exp2)" if base.attention.exp2 else ""), fsdp=fsdp,
             vae_sharding=base.vae_sharding, layers=layers, mesh=chosen.mesh, fits=chosen.fits,
             peak_bytes_per_chip=chosen.peak_bytes_per_chip, stages=chosen.stages,
-            resident_weights_bytes_per_chip=chosen.resident_weights_bytes_per_chip,
+            resident_weights_bytes_per_chip=chosen.resident_weights_bytes_per_chip, why=chosen.why,
             candidates=[{"mesh": r.mesh, "fits": r.fits, "peak_bytes_per_chip": r.peak_bytes_per_chip}
                         for r in results],
         )
@@ -379,22 +366,42 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
     return report
 
 
-def _plan_mesh(family, settings: SampleSettings, stages, topo: Topology) -> MeshReport:
-    programs = family.plan_programs(settings)
-    components = sorted({c for p in programs for c in p.components})
+def _plan_mesh(family, settings: SampleSettings, stages, topo: Topology, every_stage: bool = False) -> MeshReport:
+    """Compile the stages' programs on ``family``'s mesh. Once the answer is "does not fit" (the resident weights
+    alone exceed a chip, or a stage did not compile, or does not fit beside them) the rest are not compiled:
+    their compiles cannot change the verdict and may take many minutes. ``every_stage`` compiles them anyway."""
+    every = family.plan_programs(settings)
+    programs = [p for stage in stages for p in every if p.stage == stage]
+    components = sorted({c for p in every for c in p.components})
     for c in components:  # a program names every component it takes turns with (Wan 2.2's second expert)
         family._component(c)
     weights = {c: shard_bytes(family._states[c]) for c in components}
     report = MeshReport(str(family.mesh_spec), False, sum(weights.values()), 0)
-    for stage in stages:
-        for program in (p for p in programs if p.stage == stage):  # a stage may have several (Wan's decode)
-            log.info("compiling %s for %s, mesh %s", program.describe, topo, family.mesh_spec)
-            # The program receives one component's weights (Wan 2.2's experts take turns with the same program).
-            report.stages[program.name] = compile_program(program, topo)
+    _PROGRESS["stages"] = report.stages
+    verdict = None
+    if report.resident_weights_bytes_per_chip > topo.hbm_bytes:
+        verdict = (f"the weights resident on every chip alone need {report.resident_weights_bytes_per_chip / GIB:.1f}"
+                   f" GiB, the chip has {topo.hbm_bytes / GIB:.0f} GiB")
+    for program in programs:  # a stage may have several (a streamed decode's first and later chunks)
+        if verdict and not every_stage:
+            own = shard_bytes(program.example[0])
+            report.stages[program.name] = StageReport(
+                compiled=False, skipped=True, describe=program.describe, weights_bytes_per_chip=own,
+                error=_weights_alone(own, topo) if own > topo.hbm_bytes else None)
+            continue
+        log.info("compiling %s for %s, mesh %s", program.describe, topo, family.mesh_spec)
+        # The program receives one component's weights (Wan 2.2's experts take turns with the same program).
+        stage = report.stages[program.name] = compile_program(program, topo)
+        needs = report.resident_weights_bytes_per_chip + max(0, stage.total_bytes_per_chip - stage.weights_bytes_per_chip)
+        if not stage.compiled:
+            verdict = verdict or f"{program.name} did not compile"
+        elif needs > topo.hbm_bytes:
+            verdict = verdict or f"{program.name} needs {needs / GIB:.1f} GiB beside the resident weights"
     # Every component stays on the devices between stages; each stage adds its inputs, outputs and temporaries.
     extra = [max(0, r.total_bytes_per_chip - r.weights_bytes_per_chip) for r in report.stages.values()]
     report.peak_bytes_per_chip = report.resident_weights_bytes_per_chip + max(extra, default=0)
     report.fits = all(r.compiled for r in report.stages.values()) and report.peak_bytes_per_chip <= topo.hbm_bytes
+    report.why = verdict or ""
     return report
 
 
@@ -452,13 +459,13 @@ def suggestions(source: ModelSource, family, report: MeshReport, topo: Topology,
     for chips in _SLICE_SIZES[topo.kind]:
         if chips <= topo.chips:
             continue
-        bigger = parse_topology(f"{topo.kind}-{chips * (2 if topo.kind in ('v5p', 'v4') else 1)}")
+        bigger = parse_topology(f"{topo.kind}-{chips * (2 if topo.kind in _TENSORCORE_NAMED else 1)}")
         try:
             devices = bigger.devices()
         except InputError:
             continue
-        spec = default_mesh(bigger.chips, family.heads)
-        estimate = weights_for(spec, family.fsdp, devices) + activations * topo.chips // bigger.chips
+        spec = default_mesh(bigger.device_count, family.heads)
+        estimate = weights_for(spec, family.fsdp, devices) + activations * topo.device_count // bigger.device_count
         if estimate <= margin * hbm:
             out.append(f"a larger slice: {bigger.name} with mesh {spec}, about {estimate / GIB:.1f} GiB per chip "
                        f"({'estimate' if measured else 'weights alone'}; confirm with plan --topology {bigger.name})")
@@ -507,17 +514,24 @@ def _gib(n: int) -> str:
 
 def format_report(r: PlanReport) -> str:
     depth = f", {r.layers} transformer layer(s) (reduced depth)" if r.layers else ""
+    # A v7x chip's two TensorCores are two JAX devices, each with half the chip's HBM: memory is per device.
+    unit = "device" if r.devices_per_chip > 1 else "chip"
+    hardware = f"{r.chips} chip(s), {r.hosts} host(s), {_gib(r.chip_hbm_bytes)} GiB HBM per chip"
+    if r.devices_per_chip > 1:
+        hardware = (f"{r.chips} chip(s) = {r.chips * r.devices_per_chip} devices ({r.devices_per_chip} TensorCores "
+                    f"a chip), {r.hosts} host(s), {_gib(r.chip_hbm_bytes * r.devices_per_chip)} GiB HBM per chip "
+                    f"= {_gib(r.chip_hbm_bytes)} GiB per device")
     lines = [
         f"plan: {r.model} at {r.width}x{r.height}x{r.frames} ({'CFG' if r.cfg else 'no CFG'}, {r.dtype}, "
         f"{r.attention} attention{depth})",
-        f"  on {r.topology}: {r.chips} chip(s), {r.hosts} host(s), {_gib(r.chip_hbm_bytes)} GiB HBM per chip; "
-        f"mesh {r.mesh}{', FSDP' if r.fsdp else ''}, VAE {r.vae_sharding}",
-        f"  {'stage':<12}{'compiled':>9}{'weights':>9}{'temp':>8}{'total':>8}  GiB/chip"
+        f"  on {r.topology}: {hardware}; mesh {r.mesh}{', FSDP' if r.fsdp else ''}, VAE {r.vae_sharding}",
+        f"  {'stage':<12}{'compiled':>9}{'weights':>9}{'temp':>8}{'total':>8} (GiB/{unit})"
         f"{'all-red':>9}{'all-gat':>9}{'mosaic':>8}{'compile s':>11}",
     ]
     for name, s in r.stages.items():
-        lines.append(f"  {name:<12}{'yes' if s.compiled else 'NO':>9}{_gib(s.weights_bytes_per_chip):>9}"
-                     f"{_gib(s.temp_bytes_per_chip):>8}{_gib(s.total_bytes_per_chip):>8}          "
+        state = "yes" if s.compiled else "skipped" if s.skipped else "NO"
+        lines.append(f"  {name:<12}{state:>9}{_gib(s.weights_bytes_per_chip):>9}"
+                     f"{_gib(s.temp_bytes_per_chip):>8}{_gib(s.total_bytes_per_chip):>8}           "
                      f"{s.all_reduces:>9}{s.all_gathers:>9}{s.mosaic_kernels:>8}{s.compile_seconds:>11.1f}")
         if s.error:
             lines.append(f"           {s.error}")
@@ -526,14 +540,21 @@ def format_report(r: PlanReport) -> str:
                           f"{'' if c['fits'] else ' (does not fit)'}" for c in r.candidates)
         lines.append(f"  meshes tried: {tried}")
     verdict = "FITS" if r.fits else "DOES NOT FIT"
-    failed = [name for name, s in r.stages.items() if not s.compiled]
-    if failed:
+    failed = [name for name, s in r.stages.items() if not s.compiled and not s.skipped]
+    skipped = [name for name, s in r.stages.items() if s.skipped]
+    per_chip = ""
+    if r.devices_per_chip > 1:
+        per_chip = f"; {_gib(r.peak_bytes_per_chip * r.devices_per_chip)} GiB per chip"
+    if skipped:
+        lines.append(f"  verdict: {verdict}: {r.why}; so {', '.join(skipped)} {'was' if len(skipped) == 1 else 'were'}"
+                     " not compiled (plan --every-stage compiles every stage anyway)")
+    elif failed:
         lines.append(f"  verdict: {verdict}: {', '.join(failed)} did not compile (above); all weights resident "
-                     f"{_gib(r.resident_weights_bytes_per_chip)} of {_gib(r.chip_hbm_bytes)} GiB per chip")
+                     f"{_gib(r.resident_weights_bytes_per_chip)} of {_gib(r.chip_hbm_bytes)} GiB per {unit}")
     else:
         lines.append(f"  verdict: {verdict}: peak {_gib(r.peak_bytes_per_chip)} of {_gib(r.chip_hbm_bytes)} GiB per "
-                     f"chip (all weights resident, {_gib(r.resident_weights_bytes_per_chip)} GiB, + the largest "
-                     "stage's activations)")
+                     f"{unit} (all weights resident, {_gib(r.resident_weights_bytes_per_chip)} GiB, + the largest "
+                     f"stage's activations{per_chip})")
     for s in r.suggestions:
         lines.append(f"  try: {s}")
     lines.append(f"  planned in {r.seconds:.0f} s on this machine (peak host memory "
@@ -548,52 +569,94 @@ def add_args(parser) -> None:
     parser.add_argument("--model", help="a diffusers folder or a known model (a comma list plans each): "
                         + ", ".join(registry.known_models()))
     add_file_args(parser)
-    parser.add_argument("--topology", required=True, help="TPU slice(s), comma list: v6e-8, v6e-4, v5e-8, v5p-8, "
-                        "v6e-1, v6e-16, ...")
-    parser.add_argument("--height", type=int)
-    parser.add_argument("--width", type=int)
-    parser.add_argument("--frames", type=int)
-    parser.add_argument("--guidance", type=float, help="CFG scale; 1 or less plans without CFG (batch 1)")
-    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--topology", required=True, help="TPU slice(s), comma list: " + ", ".join(EXAMPLES)
+                        + ", ... (v5p and v7x by TensorCores: v7x-8 is 4 chips), or a chip layout such as v6e:2x4")
+    parser.add_argument("--height", type=int, help="default: the model's native size")
+    parser.add_argument("--width", type=int, help="default: the model's native size")
+    parser.add_argument("--frames", type=int, help="default: the model's native length")
+    parser.add_argument("--guidance", type=float, help="CFG scale; 1 or less plans without CFG (batch 1); "
+                        "default: the model's")
+    parser.add_argument("--steps", type=int, default=50, help="sampling steps (the scheduler's plan)")
     parser.add_argument("--mesh", help="dp=N,sp=N,tp=N; default: try candidate meshes and pick the smallest fit")
     parser.add_argument("--candidates", type=int, default=3, help="how many meshes to try without --mesh (1: the "
                         "default mesh only)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--attention", default="auto", choices=["auto", "splash", "blockwise", "reference"])
-    parser.add_argument("--block-q", type=int, default=3328)
-    parser.add_argument("--block-kv", type=int, default=2816)
-    parser.add_argument("--block-kv-compute", type=int, default=256)
-    parser.add_argument("--exp2", action="store_true")
-    parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the weights' dtype")
+    parser.add_argument("--attention", default="auto", choices=["auto", "splash", "blockwise", "reference"],
+                        help="auto: splash (the TPU kernel)")
+    parser.add_argument("--block-q", type=int, default=3328, help="splash query block")
+    parser.add_argument("--block-kv", type=int, default=2816, help="splash key/value block")
+    parser.add_argument("--block-kv-compute", type=int, default=256, help="splash key/value compute block")
+    parser.add_argument("--exp2", action="store_true", help="splash in base-2 form (exp2 kernel)")
+    parser.add_argument("--fsdp", action="store_true", help="also split every weight matrix over dp")
     parser.add_argument("--vae-sharding", default="auto", choices=["auto", "width", "replicated"],
                         help="the decode's layout (auto: width on more than one chip)")
-    parser.add_argument("--stages", default=",".join(STAGES), help="comma list of encode,image,sample,decode (image: image-to-video models)")
+    parser.add_argument("--stages", default=",".join(STAGES), help="comma list of encode,image,sample,decode "
+                        "(image: image-to-video models)")
+    parser.add_argument("--every-stage", action="store_true", help="compile every stage even once the verdict is "
+                        "\"does not fit\" (by default the rest are skipped: their compiles cannot change it)")
     parser.add_argument("--layers", type=int, help="compile the transformer with this many layers (a quick check; "
                         "reported as reduced depth)")
     parser.add_argument("--json", help="also write the report as JSON to this file")
 
 
+class PlanStopped(BaseException):
+    """SIGINT or SIGTERM arrived while planning (a BaseException, like KeyboardInterrupt: no handler of compile
+    errors may take it for one)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def run(args) -> int:
-    """Plan every model × topology given (comma lists); identical programs compile once per topology."""
+    """Plan every model × topology given (comma lists); identical programs compile once per topology. SIGINT and
+    SIGTERM stop it cleanly: the plans finished are printed already, the one in progress is reported as far as
+    it got, and the process exits at once (128 + the signal) without waiting for the compiler."""
+    import signal
+
     from ..engine.attention import AttentionConfig
+    from ..engine.validation import check_number
     from .options import file_args
 
+    for name, value in (("--height", args.height), ("--width", args.width), ("--frames", args.frames)):
+        check_number(name, value, minimum=1, integer=True, optional=True)
+    check_number("--steps", args.steps, minimum=1, integer=True)
+    check_number("--candidates", args.candidates, minimum=1, integer=True)
+    check_number("--guidance", args.guidance, minimum=0.0, optional=True)
+    check_number("--layers", args.layers, minimum=1, integer=True, optional=True)
     attention = AttentionConfig(impl=args.attention, block_q=args.block_q, block_kv=args.block_kv,
                                 block_kv_compute=args.block_kv_compute, exp2=args.exp2)
     models = [m.strip() for m in args.model.split(",")] if args.model else [None]
     topologies = [parse_topology(t) for t in args.topology.split(",")]  # all checked before anything compiles
+
+    def stop(signum, frame):
+        raise PlanStopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     reports = []
-    for topology in topologies:
-        for model in models:
-            source = ModelSource(model, file_args(args))
-            report = plan(source, topology, height=args.height, width=args.width, frames=args.frames,
-                          guidance=args.guidance, steps=args.steps, mesh=args.mesh, dtype=args.dtype,
-                          attention=attention, fsdp=args.fsdp, vae_sharding=args.vae_sharding,
-                          stages=tuple(s.strip() for s in args.stages.split(",") if s.strip()), layers=args.layers,
-                          max_candidates=args.candidates)
-            print(format_report(report), flush=True)
-            reports.append(report.to_json())
-            if args.json:  # rewritten after every plan: a long table run keeps what it has so far
-                data = reports[0] if len(models) * len(topologies) == 1 else reports
-                Path(args.json).write_text(json.dumps(data, indent=2))
+    try:
+        for topology in topologies:
+            for model in models:
+                source = ModelSource(model, file_args(args))
+                report = plan(source, topology, height=args.height, width=args.width, frames=args.frames,
+                              guidance=args.guidance, steps=args.steps, mesh=args.mesh, dtype=args.dtype,
+                              attention=attention, fsdp=args.fsdp, vae_sharding=args.vae_sharding,
+                              stages=tuple(s.strip() for s in args.stages.split(",") if s.strip()),
+                              layers=args.layers, max_candidates=args.candidates, every_stage=args.every_stage)
+                print(format_report(report), flush=True)
+                reports.append(report.to_json())
+                if args.json:  # rewritten after every plan: a long table run keeps what it has so far
+                    data = reports[0] if len(models) * len(topologies) == 1 else reports
+                    Path(args.json).write_text(json.dumps(data, indent=2))
+    except PlanStopped as stopped:
+        name = signal.Signals(stopped.signum).name
+        done = {n: ("compiled" if s.compiled else "not compiled") for n, s in (_PROGRESS["stages"] or {}).items()}
+        print(f"\nplan stopped by {name}: {len(reports)} plan(s) finished (above)"
+              + (f"; the one in progress had {', '.join(f'{n} {v}' for n, v in done.items())}" if done else "")
+              + (f"; it was compiling {_PROGRESS['compiling']}" if _PROGRESS["compiling"] else ""), flush=True)
+        sys.stderr.flush()
+        os._exit(128 + stopped.signum)  # the compiler's thread may be mid-compile: do not wait for it
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return 0 if all(r["fits"] for r in reports) else 3

@@ -29,22 +29,42 @@ CONFIG_FILE = "generation_config.json"
 VIDEO_FILE = "output_video.mp4"
 
 
-def save_embeddings(directory: Path, emb: TextEmbeddings) -> Path:
+def save_embeddings(directory: Path, emb: TextEmbeddings, size: tuple[int, int, int] | None = None) -> Path:
+    """The embeddings, and the video size (height, width, frames) the run that encoded them was for: a later
+    ``--stage sample`` takes it from here."""
     path = Path(directory) / EMBEDDINGS_FILE
+    metadata = {"model_signature": emb.model_signature, "prompt": emb.prompt, "negative_prompt": emb.negative_prompt}
+    if size is not None:
+        metadata.update(height=str(size[0]), width=str(size[1]), num_frames=str(size[2]))
     save_file(
         {"prompt_embeds": emb.prompt_embeds.contiguous(), "negative_prompt_embeds": emb.negative_prompt_embeds.contiguous()},
-        str(path),
-        metadata={"model_signature": emb.model_signature, "prompt": emb.prompt, "negative_prompt": emb.negative_prompt},
+        str(path), metadata=metadata,
     )
     return path
+
+
+def encoded_size(directory: Path) -> tuple[int, int, int] | None:
+    """(height, width, frames) the stage-1 files in ``directory`` were encoded for (None: not recorded)."""
+    path = Path(directory) / EMBEDDINGS_FILE
+    with _open(path, "text-embedding", "--stage encode") as f:
+        meta = f.metadata() or {}
+    if {"height", "width", "num_frames"} <= set(meta):
+        return int(meta["height"]), int(meta["width"]), int(meta["num_frames"])
+    return None
 
 
 def _open(path: Path, stage: str, producer: str):
     if not path.is_file():
         raise StageFileError(f"{path} not found: run {producer} first (or --stage all), with the same --output-dir")
+    from ..engine.weights import DamagedFile, read_header
+
+    try:
+        read_header(path)  # whole: a file cut short is refused at once, not when its tensors are read
+    except DamagedFile as exc:
+        raise StageFileError(f"{path} is not a readable {stage} file: it {exc.reason}; re-run {producer}") from None
     try:
         handle = safe_open(str(path), framework="pt")
-    except Exception as exc:  # noqa: BLE001 - a truncated or foreign file
+    except Exception as exc:  # noqa: BLE001 - a foreign file
         raise StageFileError(f"{path} is not a readable {stage} file ({exc}): re-run {producer}") from exc
     return handle
 

@@ -98,8 +98,7 @@ class CogVideoXPrograms:
 
     def plan_programs(self, s: SampleSettings) -> list[StageProgram]:
         """Every program one generation with settings ``s`` runs, for ``plan`` to compile."""
-        self.validate(s.height, s.width, s.num_frames)
-        self.validate_settings(s)
+        self.check_settings(s)
         cfg = s.guidance > 1.0
         self.check_cfg_mesh(cfg)
         shape, pad = self.latent_shape(s.height, s.width, s.num_frames)

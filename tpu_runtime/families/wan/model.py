@@ -237,6 +237,13 @@ class WanFamily(WanPrograms, ModelFamily):
             source.names = lambda keys, given=names: _clip_module_names(given or {k: k for k in keys}, build)
         return source
 
+    def _origin(self, name: str) -> str:
+        if self.path is not None:
+            return super()._origin(name)
+        roles = {"transformer": "transformer", "transformer_2": "transformer_2", "text_encoder": "text_encoder",
+                 "tokenizer": "text_encoder", "vae": "vae", "image_encoder": "clip_vision"}
+        return f"{name} from {Path(getattr(self.files, roles.get(name, 'transformer'))).name}"
+
     def _load_tokenizer(self):
         if self.path is not None:
             from transformers import AutoTokenizer
@@ -320,10 +327,6 @@ class WanFamily(WanPrograms, ModelFamily):
                 if value is not None:
                     raise InputError(f"{name}={value} applies only to two-expert Wan 2.2 models (A14B); this model "
                                      f"has one transformer: leave {name} unset")
-        if s.boundary is not None and not 0.0 < float(s.boundary) < 1.0:
-            raise InputError(f"boundary={s.boundary} must be between 0 and 1 (0.875 for Wan2.2-T2V-A14B)")
-        if s.shift is not None and not float(s.shift) > 0:
-            raise InputError(f"shift={s.shift} must be positive (3 to 12 for Wan; default: the model's)")
         self.lora_targets(s)
 
     # --- stage 1: text -----------------------------------------------------------------------------------------

@@ -183,9 +183,7 @@ class WanPrograms:
 
     def plan_programs(self, s: SampleSettings) -> list[StageProgram]:
         """Every program one generation with settings ``s`` runs, for ``plan`` to compile."""
-        self.validate(s.height, s.width, s.num_frames)
-        self.validate_settings(s)
-        self.check_steps(s.steps)
+        self.check_settings(s)
         cfg = (self.DEFAULT_GUIDANCE if s.guidance is None else float(s.guidance)) > 1.0
         self.check_cfg_mesh(cfg)
         plan = linear_plan(self.scheduler(s.scheduler, s.shift), s.steps)
