@@ -14,6 +14,8 @@ JOBS_JSON is a list of steps run in order:
   {"kill": PID, "at_step": K, "model": PATH, "mesh": MESH, ...sizes}
       sample, SIGKILL process PID after step K; report the error, how long it took, then that the next call is
       refused at once and this process is still alive after the coordinator's heartbeat timeout
+      ("inside": S instead of "at_step": SIGKILL it S seconds after step 2 ends, from another thread: inside a
+      step's program and its collectives, not between two steps)
 The report (one JSON line after "REPORT ") holds what each step saw.
 """
 
@@ -21,6 +23,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -82,19 +85,27 @@ for job in jobs:
         family = open_model(GenerateRequest(model=job["model"], output_dir=str(out / "kill"), dtype="float32",
                                             mesh=job["mesh"]))
         embeddings = family.encode("a panda playing a guitar", "blurry, low quality")
-        killed = {}
+        killed, steps = {}, []
+
+        def kill():
+            os.kill(job["kill"], signal.SIGKILL)
+            killed["at"], killed["steps"] = time.monotonic(), len(steps)
 
         def on_step(i, total):
-            if i == job["at_step"]:
-                os.kill(job["kill"], signal.SIGKILL)
-                killed["at"] = time.monotonic()
+            steps.append(time.monotonic())
+            if "inside" in job and i == 2:
+                threading.Timer(job["inside"], kill).start()
+            elif i == job.get("at_step"):
+                kill()
 
         result = {"error": None}
         try:
             family.sample(embeddings, SampleSettings(job["height"], job["width"], job["frames"], steps=job["steps"],
                                                      guidance=6.0, seed=4), on_step=on_step)
         except SliceError as exc:
-            result = {"error": str(exc), "seconds_after_kill": time.monotonic() - killed["at"]}
+            result = {"error": str(exc), "seconds_after_kill": time.monotonic() - killed["at"],
+                      "steps_at_kill": killed["steps"], "steps_done": len(steps),
+                      "step_seconds": (steps[1] - steps[0]) if len(steps) > 1 else None}
         time.sleep(job["wait"])  # past the heartbeat timeout: the coordinator must not end this process
         start = time.monotonic()
         try:

@@ -246,3 +246,69 @@ def test_a_different_file_on_a_worker_is_named(tmp_path):
     os.remove(f)
     with pytest.raises(InputError, match="model.safetensors is missing on this host"):
         _check_files(prints)
+
+
+# --- the README's launch lines; a worker lost inside a collective ---------------------------------------------------
+def _readme_slice(tmp: Path, jobs, pin: bool = False):
+    """Launched as the README says: the first host with TPU_VIDEO_COORDINATOR and TPU_VIDEO_PROCESSES only (its id
+    is 0), the worker with `worker --coordinator ... --processes 2 --process-id 1`, started from another folder.
+    ``pin``: both processes on one CPU core (a starved machine)."""
+    port = _free_port()
+    base = subprocess_env(JAX_NUM_CPU_DEVICES=4, TPU_VIDEO_JOIN_TIMEOUT=120, TPU_VIDEO_WORKER_TIMEOUT=120,
+                          TPU_VIDEO_HEARTBEAT_TIMEOUT=HEARTBEAT)
+    base.pop("XLA_FLAGS", None)
+    first = dict(base, TPU_VIDEO_MULTIHOST="1", TPU_VIDEO_COORDINATOR=f"127.0.0.1:{port}", TPU_VIDEO_PROCESSES="2")
+    taskset = ["taskset", "-c", "0"] if pin else []
+    (tmp / "worker_cwd").mkdir(exist_ok=True)
+    log = open(tmp / "worker.log", "w")
+    worker = subprocess.Popen(taskset + [sys.executable, "-m", "tpu_runtime", "worker", "--coordinator",
+                                         f"127.0.0.1:{port}", "--processes", "2", "--process-id", "1"],
+                              cwd=tmp / "worker_cwd", env=base, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        (tmp / "jobs.json").write_text(json.dumps(jobs(worker.pid)))
+        driver = subprocess.run(taskset + [sys.executable, JOB, str(tmp / "out"), str(tmp / "jobs.json")],
+                                cwd=tmp, env=first, capture_output=True, text=True, timeout=900)
+        try:
+            code = worker.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            code = "still running"
+        return driver, code, (tmp / "worker.log").read_text()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        log.close()
+
+
+def test_the_readme_launch_lines_work_and_both_exit_cleanly(models, tmp_path):
+    def jobs(_):
+        return [{"generate": "readme", "model": str(models["cogvideox"]), "mesh": MESHES["tp"], **SIZE}]
+
+    driver, worker_code, worker_log = _readme_slice(tmp_path, jobs)
+    report = _report(driver)
+    assert report["processes"] == 2 and report["readme"]["devices"] == 8
+    assert worker_code == 0 and "the first process closed the slice" in worker_log
+    for text in (driver.stderr, worker_log):  # clean exits: no traceback, no JAX shutdown error
+        assert "Traceback" not in text and "bad_cast" not in text and "error state" not in text, text[-3000:]
+
+
+@pytest.mark.parametrize("pin", [False, True], ids=["free", "one_core"])
+@pytest.mark.parametrize("repeat", range(int(os.environ.get("TPU_VIDEO_KILL_REPEATS", "1"))))
+def test_a_worker_killed_inside_a_step_is_reported_within_the_bound(models, tmp_path, pin, repeat):
+    """The worker is killed from another thread while the first process runs a step's program (inside its
+    collectives, not at a step boundary): the first process reports it within the bound (the heartbeat's
+    timeout, which the CPU collectives' timeout follows, plus a margin), never waits silently, and lives on.
+    TPU_VIDEO_KILL_REPEATS repeats it (the closing note's 10 x 2 runs)."""
+    def jobs(worker_pid):
+        return [{"kill": worker_pid, "inside": 0.05 + 0.1 * repeat, "steps": 60, "model": str(models["cogvideox"]),
+                 "mesh": MESHES["tp"], "wait": 0, **SIZE}]
+
+    driver, worker_code, _ = _readme_slice(tmp_path, jobs, pin=pin)
+    kill = _report(driver)["kill"]
+    print("kill inside a step:", json.dumps({k: v for k, v in kill.items() if k != "next_call"}))
+    assert worker_code == -9
+    assert kill["error"] and "worker 1" in kill["error"] and "incomplete" in kill["error"], kill
+    assert kill["steps_done"] < 60, kill  # it did not sample on without the worker
+    bound = HEARTBEAT + 5 + 10  # heartbeat timeout, the collectives' margin over it, and slack for a starved CPU
+    assert kill["seconds_after_kill"] < bound, kill
+    assert kill["next_call"] and kill["next_call_seconds"] < 1 and kill["alive"] is True, kill
+    assert "Traceback" not in driver.stderr, driver.stderr[-3000:]

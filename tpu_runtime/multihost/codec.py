@@ -25,9 +25,11 @@ def plain_types() -> dict[str, type]:
     from ..engine.lora import LoraSpec
     from ..engine.sharding import MeshSpec
     from ..engine.stages import SampleSettings
+    from ..engine.stepcache import StepCache
     from ..families import registry
 
-    return {c.__name__: c for c in (SampleSettings, LoraSpec, AttentionConfig, MeshSpec, *registry.message_types())}
+    return {c.__name__: c for c in (SampleSettings, StepCache, LoraSpec, AttentionConfig, MeshSpec,
+                                    *registry.message_types())}
 
 
 class Encoder:

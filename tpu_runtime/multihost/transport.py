@@ -45,6 +45,7 @@ from .hooks import multihost_requested
 log = logging.getLogger(__name__)
 
 PREFIX = "tpu_video/"
+WORKER_ENV = "TPU_VIDEO_WORKER"  # set by `python -m tpu_runtime worker`: this process is not the first
 KEEP_VALUES = 64  # stage values each worker keeps (oldest dropped first; the first process mirrors the order)
 BLOB_CHUNK = 1 << 20  # bytes per key-value entry when a tensor must be sent
 
@@ -74,11 +75,64 @@ class SliceSettings:
             except ValueError:
                 raise InputError(f"{name}={raw!r} must be a number") from None
 
-        return cls(coordinator=os.environ.get("TPU_VIDEO_COORDINATOR") or None,
-                   processes=number("TPU_VIDEO_PROCESSES", int), process_id=number("TPU_VIDEO_PROCESS_ID", int),
-                   join_timeout=number("TPU_VIDEO_JOIN_TIMEOUT", int, 300),
-                   worker_timeout=number("TPU_VIDEO_WORKER_TIMEOUT", float, 120.0),
-                   heartbeat_timeout=number("TPU_VIDEO_HEARTBEAT_TIMEOUT", int, 20))
+        settings = cls(coordinator=os.environ.get("TPU_VIDEO_COORDINATOR") or None,
+                       processes=number("TPU_VIDEO_PROCESSES", int), process_id=number("TPU_VIDEO_PROCESS_ID", int),
+                       join_timeout=number("TPU_VIDEO_JOIN_TIMEOUT", int, 300),
+                       worker_timeout=number("TPU_VIDEO_WORKER_TIMEOUT", float, 120.0),
+                       heartbeat_timeout=number("TPU_VIDEO_HEARTBEAT_TIMEOUT", int, 20))
+        # The first process (ComfyUI, generate) is process 0: where the coordinator and the process count are
+        # given by hand (not a TPU VM, where JAX finds every host's index), its id need not be.
+        if settings.process_id is None and settings.coordinator and settings.processes \
+                and os.environ.get(WORKER_ENV) != "1":
+            settings.process_id = 0
+        return settings
+
+
+def _join_message(settings: SliceSettings, exc: Exception, seconds: float) -> str:
+    """What failed when joining: the workers' absence after the join timeout, or what JAX said at once."""
+    n = settings.processes or 0
+    if seconds >= settings.join_timeout - 1 or "DEADLINE_EXCEEDED" in str(exc):
+        names = ", ".join(_worker_names(n)[i] for i in range(1, n)) if n > 1 else "the workers"
+        return (f"the slice is incomplete: {names} did not join {settings.coordinator or 'the coordinator'} within "
+                f"{settings.join_timeout} s. Start `python -m tpu_runtime worker` on every other host (same "
+                "coordinator and process count), then restart this process")
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    why = lines[0][:300] if lines else type(exc).__name__
+    return (f"joining the slice (coordinator {settings.coordinator or 'found by JAX'}, {n or '?'} processes, this "
+            f"one {settings.process_id if settings.process_id is not None else 'found by JAX'}) failed after "
+            f"{seconds:.0f} s: {why}. Check TPU_VIDEO_COORDINATOR, TPU_VIDEO_PROCESSES and TPU_VIDEO_PROCESS_ID "
+            "(or the worker's --coordinator, --processes, --process-id), then restart this process")
+
+
+def collective_timeout(heartbeat_timeout: float) -> None:
+    """CPU collectives across processes (gloo) wait 30 minutes for a peer by default: a worker killed inside
+    one would leave the first process blocked, silent, that long. Give them the heartbeat's bound (plus a
+    margin), so a wait for a dead peer ends when the heartbeat has named it. Set before the backend starts; a
+    value the user put in XLA_FLAGS stays."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_cpu_collective_timeout_seconds" not in flags:
+        seconds = int(max(10, heartbeat_timeout + 5))
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_collective_timeout_seconds={seconds}".strip()
+
+
+def quiet_shutdown(leave: bool = False) -> None:
+    """JAX's exit handler shuts the distributed client down and prints what that raises: after a failed join
+    (the client is in an error state: the failure has been reported already) and on a worker once the first
+    process is gone (std::bad_cast). ``leave``: try the shutdown here first (a worker leaving a slice that is still
+    up), quietly; either way JAX's handler then has nothing left to shut down."""
+    import contextlib
+
+    from jax._src import distributed
+
+    if leave:
+        try:
+            distributed.global_state.shutdown()
+        except Exception as exc:  # noqa: BLE001 - the slice is ending; what the client says of it changes nothing
+            log.debug("leaving the slice: %s", exc)
+    with contextlib.suppress(Exception):
+        distributed.global_state.client = None
+        distributed.global_state.service = None
+        distributed.global_state.preemption_sync_manager = None
 
 
 def _worker_names(processes: int) -> dict[int, str]:
@@ -114,6 +168,7 @@ def join(settings: SliceSettings) -> "Slice":
         log.error("the slice's coordination service reports: %s", status)
 
     _jax.get_distributed_runtime_client = functools.partial(original, missed_heartbeat_callback=on_error)
+    collective_timeout(settings.heartbeat_timeout)
     start = time.perf_counter()
     try:
         jax.distributed.initialize(settings.coordinator, settings.processes, settings.process_id,
@@ -121,14 +176,11 @@ def join(settings: SliceSettings) -> "Slice":
                                    heartbeat_timeout_seconds=settings.heartbeat_timeout,
                                    shutdown_timeout_seconds=30)  # a stuck worker must not hold up our exit
     except Exception as exc:  # noqa: BLE001 - the client reports a missing peer in several ways
-        n = settings.processes or 0
-        names = ", ".join(_worker_names(n)[i] for i in range(1, n)) if n > 1 else "the workers"
-        _join_failure = SliceError(
-            f"the slice is incomplete: {names} did not join {settings.coordinator or 'the coordinator'} within "
-            f"{settings.join_timeout} s. Start `python -m tpu_runtime worker` on "
-            "every other host (same coordinator and process count), then restart this process")
+        seconds = time.perf_counter() - start
+        _join_failure = SliceError(_join_message(settings, exc, seconds))
         log.debug("jax.distributed.initialize: %s", exc)
-        raise _join_failure from exc
+        quiet_shutdown()
+        raise _join_failure from None
     finally:
         _jax.get_distributed_runtime_client = original
     state = distributed.global_state
@@ -173,6 +225,7 @@ class Slice:
         self.names = _worker_names(processes)
         self.broken: str | None = None
         self._next = 0
+        self._running, self._barriers, self._agreed = -1, 0, 0
         self._inside = threading.local()
         self._lock = threading.RLock()
         self._known: OrderedDict[int, None] = OrderedDict()
@@ -252,10 +305,11 @@ class Slice:
             raise self._fail(f"the slice is incomplete: {names} stopped ({during}). Restart "
                              "`python -m tpu_runtime worker` there and restart this process (ComfyUI: the server)")
 
-    def _collect(self, key: str, during: str) -> dict[int, str]:
+    def _collect(self, key: str, during: str, timeout: float | None = None) -> dict[int, str]:
         """Each worker's answer under ``key/<id>``; a dead or silent worker is reported by name in bounded time."""
         answers: dict[int, str] = {}
-        deadline = time.monotonic() + self.worker_timeout
+        timeout = self.worker_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         while len(answers) < len(self.workers):
             for i in self.workers:
                 if i not in answers:
@@ -267,11 +321,51 @@ class Slice:
             self.check_workers(during)
             if time.monotonic() > deadline:
                 silent = ", ".join(self.names[i] for i in self.workers if i not in answers)
-                raise self._fail(f"the slice is incomplete: {silent} did not answer within {self.worker_timeout:g} s "
+                raise self._fail(f"the slice is incomplete: {silent} did not answer within {timeout:g} s "
                                  f"({during}); it is stuck or was started for another slice. Restart the workers "
                                  "and this process")
             time.sleep(0.05)
         return answers
+
+    def running(self, n: int) -> None:
+        """This process starts running replayed call ``n`` (its barriers and agreements are counted from here)."""
+        self._running, self._barriers, self._agreed = n, 0, 0
+
+    def agree(self, what: str, value):
+        """A host decision of the current call (JSON-able) that every process takes alike: the first process's,
+        which it publishes; a worker waits for it (a step cache's read-back: each process computed the same
+        number, but one decision must not hang on the last bit of a float)."""
+        n, k = self._running, self._agreed
+        self._agreed += 1
+        key = f"agree/{n}/{k}"
+        if self.is_driver:
+            self._set(key, json.dumps(value))
+            return value
+        deadline = time.monotonic() + self.worker_timeout
+        while (raw := self._try_get(key, wait_ms=1000)) is None:
+            if self.dead([0]):
+                raise SliceError("the first process is gone")
+            if time.monotonic() > deadline:
+                raise SliceError(f"the first process did not publish {what} within {self.worker_timeout:g} s")
+        return json.loads(raw)
+
+    def barrier(self, what: str) -> None:
+        """Every process of the slice reaches this point of the current call before any goes on: called after each
+        stage program is compiled, so no process waits inside a program's collectives while a peer is still
+        compiling it (that wait would count against the collectives' timeout, which is kept near the heartbeat's
+        so that a peer lost inside a collective is named in bounded time)."""
+        n, k = self._running, self._barriers
+        self._barriers += 1
+        key = f"barrier/{n}/{k}"
+        if self.is_driver:
+            # A peer compiling the same program takes about as long; a dead one is named by its heartbeat.
+            self._collect(key, f"waiting for every host to compile {what}", timeout=max(self.worker_timeout, 1800))
+            self._set(key, "go")
+            return
+        self._set(f"{key}/{self.process_id}", "ok")
+        while self._try_get(key, wait_ms=1000) is None:
+            if self.dead([0]):
+                raise SliceError("the first process is gone")
 
     # the first process
     @contextlib.contextmanager
@@ -324,6 +418,7 @@ class Slice:
                 gate = self._step_gate(n, kwargs.get("should_stop"), what)
                 kwargs = {**kwargs, "should_stop": gate}
             try:
+                self.running(n)
                 with self._replaying():
                     result = run(args, kwargs)
             except SliceError:
@@ -377,6 +472,8 @@ class Slice:
             self._delete(f"ready/{n}/{i}")
             self._delete(f"done/{n}/{i}")
         self._delete(f"step/{n}")  # the store deletes a key with everything under it
+        self._delete(f"barrier/{n}")
+        self._delete(f"agree/{n}")
         self._delete(f"blob/{n}")
 
     def _delete(self, key: str) -> None:
@@ -410,7 +507,9 @@ class Slice:
 
 
 class _StepGate:
-    """The first process's ``should_stop`` for one replayed call: before each step, are the workers alive; then
+    """The first process's ``should_stop`` for one replayed call: before each step, every worker has reached it
+    (so no process waits inside a step's collectives for a peer still compiling or still in the last step: that
+    wait is then bounded by a dead peer only, which the collectives' timeout and the heartbeat both name); then
     stop or go (Cancel), published for the workers. ``close`` tells workers waiting for the next word to stop
     (the call failed here between two steps)."""
 
@@ -420,7 +519,9 @@ class _StepGate:
 
     def __call__(self) -> bool:
         i = self.count
-        self.slice.check_workers(f"before step {i + 1} of {self.what}")
+        during = f"before step {i + 1} of {self.what}"
+        self.slice.check_workers(during)
+        self.slice._collect(f"step/{self.n}/at/{i}", during)
         stop = bool(self.should_stop()) if self.should_stop is not None else False
         self.slice._set(f"step/{self.n}/{i}", "stop" if stop else "go")
         self.count += 1

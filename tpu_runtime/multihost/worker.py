@@ -94,6 +94,7 @@ def serve(runtime, slice_: Slice) -> int:
         if go == "run":
             try:
                 log.info("call %d: %s", n, message.get("method") or f"open {message['cls']}")
+                slice_.running(n)
                 result = prepared()
                 if message["op"] == "open":
                     result.replay_id = n
@@ -119,6 +120,7 @@ def _worker_gate(slice_: Slice, n: int):
     def gate() -> bool:
         i = count[0]
         count[0] += 1
+        slice_._set(f"step/{n}/at/{i}/{slice_.process_id}", "ok")  # here, compiled and done with the step before
         while True:
             got = slice_._try_get(f"step/{n}/{i}", wait_ms=1000)
             if got is not None:

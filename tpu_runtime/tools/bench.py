@@ -408,9 +408,10 @@ def add_args(p) -> None:
     p.add_argument("--height", type=int, help="default: the tiny model's (64)")
     p.add_argument("--width", type=int, help="default: the tiny model's (96; 64 for CogVideoX 1.5)")
     p.add_argument("--frames", type=int, help="default: the tiny model's (9; 17 for CogVideoX 1.5)")
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=4, help="denoising steps of each generation")
     p.add_argument("--repeats", type=int, default=2, help="warm runs after the cold one")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="auto: bfloat16 on TPU/GPU, float32 on CPU")
     p.add_argument("--load-file-mb", type=int, help="instead: time loading a single-file Wan transformer of this size")
     p.add_argument("--load-folder-mb", type=int, help="instead: time loading a CogVideoX transformer folder of this "
                    "size, ours against diffusers' from_pretrained")
