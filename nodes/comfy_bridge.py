@@ -32,3 +32,14 @@ def raise_if_interrupted() -> None:
     except ImportError:
         return
     mm.throw_exception_if_processing_interrupted()
+
+
+def output_directory():
+    """ComfyUI's output folder (a Path), or ``None`` outside ComfyUI."""
+    try:
+        import folder_paths
+    except ImportError:
+        return None
+    from pathlib import Path
+
+    return Path(folder_paths.get_output_directory())

@@ -87,20 +87,28 @@ def install_comfy_unload_hook() -> bool:
 
 
 # --- what the node kinds (kinds.py) share -----------------------------------------------------------------
-class LoraModel:
-    """What a LoRA node passes on: the loaded model plus the LoRAs to merge when it samples (ComfyUI's
-    ``LoraLoaderModelOnly`` way: the model is patched when used, so chains of LoRA nodes stack and removing a node
-    removes its LoRA). Everything else is the model's own; encode and decode do not read the transformer."""
+class PatchedModel:
+    """What a LoRA or step-cache node passes on: the loaded model plus what the sampler applies when it runs: the
+    LoRAs to merge and the step cache (ComfyUI's ``LoraLoaderModelOnly`` way: the model is patched when used, so
+    chains of nodes stack and removing a node removes its patch). Everything else is the model's own; encode and
+    decode do not read the transformer."""
 
-    def __init__(self, family, loras: tuple = (), loras_2: tuple = ()):
-        self.family, self.loras, self.loras_2 = family, tuple(loras), tuple(loras_2)
+    def __init__(self, family, loras: tuple = (), loras_2: tuple = (), cache=None):
+        self.family, self.loras, self.loras_2, self.cache = family, tuple(loras), tuple(loras_2), cache
 
     def __getattr__(self, name):
         return getattr(self.family, name)
 
+    @classmethod
+    def of(cls, model, **changes) -> "PatchedModel":
+        """``model`` (loaded or patched already) with ``changes`` to its patches."""
+        current = dict(loras=model.loras, loras_2=model.loras_2, cache=model.cache) \
+            if isinstance(model, PatchedModel) else {}
+        return cls(base_model(model), **{**current, **changes})
+
 
 def base_model(model):
-    return model.family if isinstance(model, LoraModel) else model
+    return model.family if isinstance(model, PatchedModel) else model
 
 
 def image_cond_input(image_type: str) -> dict:
@@ -134,7 +142,9 @@ def run_sampler(model, embeds, settings, image_cond=None):
 
     from .comfy_bridge import interrupt_requested, progress_bar, raise_if_interrupted
 
-    settings = dataclasses.replace(settings, loras=getattr(model, "loras", ()), loras_2=getattr(model, "loras_2", ()))
+    patched = isinstance(model, PatchedModel)
+    settings = dataclasses.replace(settings, loras=model.loras if patched else (),
+                                   loras_2=model.loras_2 if patched else (), cache=model.cache if patched else None)
     model = base_model(model)
 
     bar = progress_bar(settings.steps)
@@ -148,7 +158,28 @@ def run_sampler(model, embeds, settings, image_cond=None):
     except Exception:
         raise_if_interrupted()  # a cancelled prompt is reported as cancelled, not as an error
         raise
+    if model.step_cache_calibrated:
+        save_mag_ratios(model, model.step_cache_calibrated)
     return ({"samples": latents.latents, "tpu_video": latents},)
+
+
+def save_mag_ratios(model, calibrated: dict) -> None:
+    """A calibrating sampler run's MagCache ratios: into ComfyUI's output folder as mag_ratios_<model>.json (paste
+    the file's path or its contents into the step cache node's mag_ratios), and into the log."""
+    import json
+    import re
+
+    from .comfy_bridge import output_directory
+
+    value = calibrated["transformer"] if list(calibrated) == ["transformer"] else calibrated
+    text = json.dumps(value)
+    folder = output_directory()
+    if folder is not None:
+        path = folder / f"mag_ratios_{re.sub(r'[^A-Za-z0-9_.-]+', '_', model.label)}.json"
+        path.write_text(text + "\n")
+        log.warning("MagCache ratios of %s written to %s: give that path (or the list) to the step cache node's "
+                    "mag_ratios", model.label, path)
+    log.warning("MagCache ratios of %s: %s", model.label, text)
 
 
 def decode_latent(model, samples, **options):

@@ -1,5 +1,6 @@
 """The node kinds, written once for every family: Loader (a diffusers folder) and Model Files Loader (ComfyUI's
-single files) → Text Encode [+ Image Encode] → Sampler → Decode, with LoRA between loader and sampler.
+single files) → Text Encode [+ Image Encode] → Sampler → Decode, with LoRA and Step Cache between loader and
+sampler.
 
 ``family_nodes(spec)`` makes a family's node classes from its declaration (``FamilySpec.nodes``): class names
 ``prefix + kind`` (``TPUWanSampler``), display names ``"<title> <kind> (TPU)"``, the family's types, defaults and
@@ -13,7 +14,7 @@ from .common import (
     DEVICE_INPUTS,
     DTYPE_INPUT,
     LAYOUT_INPUTS,
-    LoraModel,
+    PatchedModel,
     base_model,
     decode_latent,
     image_cond_input,
@@ -235,8 +236,56 @@ class LoRA(_Node):
         low = family.two_experts and expert in ("both", "low noise")
         targets = {**({"transformer": (spec,)} if high else {}), **({"transformer_2": (spec,)} if low else {})}
         family.apply_loras(targets, merge=False)  # read and checked now, so a wrong file is reported on this node
-        return (LoraModel(family, getattr(model, "loras", ()) + ((spec,) if high else ()),
-                          getattr(model, "loras_2", ()) + ((spec,) if low else ())),)
+        loras, loras_2 = (model.loras, model.loras_2) if isinstance(model, PatchedModel) else ((), ())
+        return (PatchedModel.of(model, loras=loras + ((spec,) if high else ()),
+                                loras_2=loras_2 + ((spec,) if low else ())),)
+
+
+class StepCache(_Node):
+    """Skips whole transformer passes as diffusers' MagCache and FirstBlockCache do; the sampler after it runs
+    with it (frames equal diffusers' with the same cache config)."""
+
+    RETURN_NAMES = ("model",)
+    FUNCTION = "apply"
+    DESCRIPTION = ("Step caching for the sampler after it: magcache skips steps fixed in advance by the model's "
+                   "calibrated ratios (shipped for the released Wan models; give others in mag_ratios, or calibrate "
+                   "them); first-block skips a step when the first block's output barely changed. Each method's "
+                   "programs compile once: a new threshold or ratios compile nothing.")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": (cls.types()[0],),
+            "method": (["magcache", "first-block"], {"default": "magcache"}),
+            "threshold": ("FLOAT", {"default": -1.0, "min": -1.0, "max": 10.0, "step": 0.001,
+                                    "tooltip": "skip while the error stays at or under this; -1: diffusers' default "
+                                    "(magcache 0.06, first-block 0.05)"}),
+            "max_skip": ("INT", {"default": 3, "min": 1, "max": 100,
+                                 "tooltip": "magcache: at most this many steps skipped in a row"}),
+            "retention": ("FLOAT", {"default": 0.2, "min": 0.0, "max": 0.99, "step": 0.05,
+                                    "tooltip": "magcache: this fraction of each transformer's first steps always "
+                                    "runs"}),
+        }, "optional": {
+            "mag_ratios": ("STRING", {"default": "", "multiline": True,
+                                      "tooltip": "magcache: the model's ratios, comma-separated, a JSON list or one "
+                                      "list per transformer, or a JSON file's path; empty: the published ones"}),
+            "calibrate": ("BOOLEAN", {"default": False,
+                                      "tooltip": "magcache: skip nothing and measure this model's ratios (written to "
+                                      "the output folder as mag_ratios_<model>.json)"}),
+        }}
+
+    def apply(self, model, method: str, threshold: float, max_skip: int, retention: float, mag_ratios: str = "",
+              calibrate: bool = False):
+        from tpu_runtime.engine.stages import SampleSettings
+        from tpu_runtime.tools.options import step_cache
+
+        family = base_model(model)
+        magcache = method == "magcache"
+        cache = step_cache(method, None if threshold < 0 else threshold, max_skip if magcache else None,
+                           retention if magcache else None, mag_ratios.strip() or None, bool(calibrate), where="node")
+        height, width, frames = family.native_size()
+        family.check_step_cache(SampleSettings(height, width, frames, cache=cache))  # the ratios there are, now
+        return (PatchedModel.of(model, cache=cache),)
 
 
 class Sampler(_Node):
@@ -286,6 +335,7 @@ KINDS = {
     "TextEncode": (TextEncode, "Text Encode", lambda n: n.text_encode_doc),
     "ImageEncode": (ImageEncode, "Image Encode", lambda n: n.image_encode_doc),
     "LoRA": (LoRA, "LoRA", lambda n: LoRA.DESCRIPTION),
+    "StepCache": (StepCache, "Step Cache", lambda n: StepCache.DESCRIPTION),
     "Sampler": (Sampler, "Sampler", lambda n: n.sampler_doc),
     "Decode": (Decode, "Decode", lambda n: n.decode_doc),
 }
@@ -296,7 +346,7 @@ def family_nodes(spec) -> tuple[dict, dict]:
     classes, titles = {}, {}
     model, embeds, image = _types(spec)
     returns = {"Loader": (model,), "ModelFilesLoader": (model,), "TextEncode": (embeds,), "ImageEncode": (image,),
-               "LoRA": (model,)}
+               "LoRA": (model,), "StepCache": (model,)}
     for kind, (base, title, describe) in KINDS.items():
         if kind == "ModelFilesLoader" and spec.nodes.files_loader is None:
             continue

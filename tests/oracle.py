@@ -1,7 +1,11 @@
 """diffusers' own pipelines (CogVideoX, Wan, their image-to-video ones), float32 on CPU: the numerical oracle for our
 frames."""
 
+import contextlib
 import functools
+import io
+import json
+import re
 
 import numpy as np
 import torch
@@ -15,8 +19,9 @@ def load_pipeline(folder: str):
 
 
 def diffusers_frames(folder, prompt, negative, height, width, frames, steps, guidance, seed,
-                     scheduler=None, dynamic_cfg=False, tiling=False) -> np.ndarray:
-    """Frames ``[F, H, W, 3]`` float32 in 0..1 exactly as diffusers makes them."""
+                     scheduler=None, dynamic_cfg=False, tiling=False, output_type="np") -> np.ndarray:
+    """Frames ``[F, H, W, 3]`` float32 in 0..1 exactly as diffusers makes them (``output_type="latent"``: the
+    denoised latents instead, as the pipeline holds them)."""
     import diffusers
 
     pipe = load_pipeline(str(folder))
@@ -30,7 +35,7 @@ def diffusers_frames(folder, prompt, negative, height, width, frames, steps, gui
         out = pipe(
             prompt, negative_prompt=negative, height=height, width=width, num_frames=frames,
             num_inference_steps=steps, guidance_scale=guidance, use_dynamic_cfg=dynamic_cfg,
-            generator=torch.Generator("cpu").manual_seed(seed), output_type="np",
+            generator=torch.Generator("cpu").manual_seed(seed), output_type=output_type,
             max_sequence_length=pipe.transformer.config.max_text_seq_length,
         )
     finally:
@@ -47,7 +52,7 @@ def load_wan_pipeline(folder: str):
 
 
 def wan_frames(folder, prompt, negative, height, width, frames, steps, guidance, seed, scheduler=None, shift=None,
-               guidance_2=None, boundary=None) -> np.ndarray:
+               guidance_2=None, boundary=None, output_type="np") -> np.ndarray:
     """Frames ``[F, H, W, 3]`` float32 in 0..1 exactly as diffusers' WanPipeline makes them."""
     import diffusers
 
@@ -67,14 +72,31 @@ def wan_frames(folder, prompt, negative, height, width, frames, steps, guidance,
     try:
         out = pipe(prompt, negative_prompt=negative, height=height, width=width, num_frames=frames,
                    num_inference_steps=steps, guidance_scale=guidance, guidance_scale_2=guidance_2,
-                   generator=torch.Generator("cpu").manual_seed(seed), output_type="np")
+                   generator=torch.Generator("cpu").manual_seed(seed), output_type=output_type)
     finally:
         pipe.scheduler = original
         pipe.register_to_config(boundary_ratio=original_boundary)
     return out.frames[0]
 
 
-def lora_frames(pipeline_cls, folder, loras=(), loras_2=(), scheduler=None, **call):
+@contextlib.contextmanager
+def step_cached(pipe, configs: dict):
+    """diffusers' step cache on ``pipe`` for what runs inside: ``configs`` maps each transformer ("transformer",
+    "transformer_2") to its MagCacheConfig / FirstBlockCacheConfig (diffusers' way: one config, one state per
+    transformer). Yields a list that receives every calibration list diffusers prints, in the order printed."""
+    printed, calibrations = io.StringIO(), []
+    for name, config in configs.items():
+        getattr(pipe, name).enable_cache(config)
+    try:
+        with contextlib.redirect_stdout(printed):
+            yield calibrations
+    finally:
+        for name in configs:
+            getattr(pipe, name).disable_cache()
+        calibrations.extend(json.loads(m) for m in re.findall(r"^(\[[-0-9., e]+\])$", printed.getvalue(), re.M))
+
+
+def lora_frames(pipeline_cls, folder, loras=(), loras_2=(), scheduler=None, cache=None, **call):
     """(frames, pipeline) of a fresh diffusers pipeline with each LoRA loaded (``load_lora_weights``), fused at its strength
     (``fuse_lora``) and its adapter unloaded, one after another: ``loras`` into the transformer, ``loras_2`` into
     Wan 2.2's low-noise ``transformer_2``. ``call``: the pipeline's own arguments plus ``seed``."""
@@ -88,7 +110,9 @@ def lora_frames(pipeline_cls, folder, loras=(), loras_2=(), scheduler=None, **ca
     if scheduler is not None:
         pipe.scheduler = scheduler
     seed = call.pop("seed")
-    out = pipe(generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **call)
+    call.setdefault("output_type", "np")
+    with step_cached(pipe, cache or {}):
+        out = pipe(generator=torch.Generator("cpu").manual_seed(seed), **call)
     return out.frames[0], pipe
 
 
@@ -121,7 +145,7 @@ def cogvideox_i2v_frames(folder, image, prompt, negative, height, width, frames,
 
 
 def wan_i2v_frames(folder, image, last_image, prompt, negative, height, width, frames, steps, guidance,
-                   seed) -> np.ndarray:
+                   seed, output_type="np") -> np.ndarray:
     """Frames ``[F, H, W, 3]`` exactly as diffusers' WanImageToVideoPipeline makes them (first image, optional
     last image; TI2V-5B's folder through the same pipeline, as its model card does)."""
     from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
@@ -133,5 +157,5 @@ def wan_i2v_frames(folder, image, last_image, prompt, negative, height, width, f
     pipe = _i2v_pipeline("WanImageToVideoPipeline", str(folder))
     out = pipe(image=Image.open(image), last_image=Image.open(last_image) if last_image else None, prompt=prompt,
                negative_prompt=negative, height=height, width=width, num_frames=frames, num_inference_steps=steps,
-               guidance_scale=guidance, generator=torch.Generator("cpu").manual_seed(seed), output_type="np")
+               guidance_scale=guidance, generator=torch.Generator("cpu").manual_seed(seed), output_type=output_type)
     return out.frames[0]

@@ -16,6 +16,7 @@ EXPECTED = {
     "TPUCogVideoXTextEncode": ("TPU_COGVIDEOX_EMBEDS",),
     "TPUCogVideoXImageEncode": ("TPU_COGVIDEOX_IMAGE",),
     "TPUCogVideoXLoRA": ("TPU_COGVIDEOX_MODEL",),
+    "TPUCogVideoXStepCache": ("TPU_COGVIDEOX_MODEL",),
     "TPUCogVideoXSampler": ("LATENT",),
     "TPUCogVideoXDecode": ("IMAGE",),
     "TPUWanLoader": ("TPU_WAN_MODEL",),
@@ -23,6 +24,7 @@ EXPECTED = {
     "TPUWanTextEncode": ("TPU_WAN_EMBEDS",),
     "TPUWanImageEncode": ("TPU_WAN_IMAGE",),
     "TPUWanLoRA": ("TPU_WAN_MODEL",),
+    "TPUWanStepCache": ("TPU_WAN_MODEL",),
     "TPUWanSampler": ("LATENT",),
     "TPUWanDecode": ("IMAGE",),
 }
@@ -176,6 +178,8 @@ def fake_comfy_folders(tmp_path, monkeypatch):
         return None
 
     fp.get_full_path = get_full_path
+    (tmp_path / "ComfyUI" / "output").mkdir()
+    fp.get_output_directory = lambda: str(tmp_path / "ComfyUI" / "output")
     monkeypatch.setitem(sys.modules, "folder_paths", fp)
     return models, extra
 
@@ -356,6 +360,84 @@ def test_wan_lora_nodes_chain_per_expert_and_leave_no_trace(pack, tiny_wan, fake
     (single,) = pack.NODE_CLASS_MAPPINGS["TPUWanLoader"]().load("", "float32", model_path=str(tiny_wan["2.1"]))
     with pytest.raises(InputError, match="one transformer"):
         node().apply(single, "high.safetensors", 1.0, expert="low noise")
+
+
+def test_step_cache_node_runs_the_sampler_cached_with_progress_and_cancel(pack, tiny_wan, fake_comfy_folders,
+                                                                         monkeypatch):
+    """The step cache node between loader and sampler: the sampler's frames and latents equal diffusers' with the
+    same MagCacheConfig; ComfyUI's progress bar still ticks every step (skipped ones too) and Cancel stops it; the
+    loaded model without the node samples uncached; calibrating writes the ratios to the output folder; what the
+    node cannot run is refused on the node."""
+    import json
+    import types
+
+    from diffusers.hooks import MagCacheConfig
+    from oracle import load_wan_pipeline, step_cached, wan_frames
+
+    from tpu_runtime.errors import InputError
+
+    ticks, cancel = [], {"after": None}
+
+    class ProgressBar:
+        def __init__(self, total):
+            self.total = total
+
+        def update_absolute(self, value, total=None):
+            if self.total > 1:  # the sampler's bar (the decode node's has one unit)
+                ticks.append(value)
+
+    comfy, utils, mm = (types.ModuleType(n) for n in ("comfy", "comfy.utils", "comfy.model_management"))
+    utils.ProgressBar = ProgressBar
+    mm.processing_interrupted = lambda: cancel["after"] is not None and len(ticks) >= cancel["after"]
+
+    def throw():
+        if mm.processing_interrupted():
+            raise KeyboardInterrupt("ComfyUI: processing interrupted")
+
+    mm.throw_exception_if_processing_interrupted = throw
+    comfy.utils, comfy.model_management = utils, mm
+    for name, module in (("comfy", comfy), ("comfy.utils", utils), ("comfy.model_management", mm)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+    m = pack.NODE_CLASS_MAPPINGS
+    folder = tiny_wan["2.1"]
+    (model,) = m["TPUWanLoader"]().load("", "float32", model_path=str(folder))
+    node = m["TPUWanStepCache"]
+    inputs = node.INPUT_TYPES()
+    assert inputs["required"]["method"][0] == ["magcache", "first-block"]
+    ratios = "1.0, 0.99, 0.99, 0.99, 0.99, 0.99, 0.99, 0.99"
+    (cached,) = node().apply(model, "magcache", -1.0, 3, 0.2, mag_ratios=ratios)
+    latent, image = _wan_chain(pack, cached, steps=8)
+    assert ticks == list(range(1, 9))
+    config = MagCacheConfig(num_inference_steps=8, mag_ratios=[float(r) for r in ratios.split(",")])
+    pipe = load_wan_pipeline(str(folder))
+    with step_cached(pipe, {"transformer": config}):
+        ref = wan_frames(folder, PROMPT, NEGATIVE, 64, 64, 9, 8, 5.0, 4)
+        ref_latents = wan_frames(folder, PROMPT, NEGATIVE, 64, 64, 9, 8, 5.0, 4, output_type="latent")
+    assert np.abs(image.numpy() - ref).max() < 1e-4
+    assert np.abs(latent["samples"][0].numpy() - ref_latents.numpy()).max() < 2e-4
+    assert model.step_cache_report["skipped_steps"] == [3, 4, 5, 7, 8]
+    plain, _ = _wan_chain(pack, model, steps=8)  # the loader's output, no step cache node
+    assert model.step_cache_report is None
+    assert (plain["samples"] - latent["samples"]).abs().max() > 1e-3
+
+    cancel["after"], ticks[:] = 3, []
+    with pytest.raises(KeyboardInterrupt):
+        _wan_chain(pack, cached, steps=8)
+    assert ticks == [1, 2, 3]
+    cancel["after"] = None
+
+    (calibrating,) = node().apply(model, "magcache", -1.0, 3, 0.2, calibrate=True)
+    _wan_chain(pack, calibrating, steps=4)
+    written = list((fake_comfy_folders[0].parent / "output").glob("mag_ratios_*.json"))
+    assert len(written) == 1 and len(json.loads(written[0].read_text())) == 4
+
+    with pytest.raises(InputError, match="no published MagCache ratios"):
+        node().apply(model, "magcache", -1.0, 3, 0.2)
+    with pytest.raises(InputError, match="calibrate: MagCache's"):
+        node().apply(model, "first-block", -1.0, 3, 0.2, calibrate=True)
+    with pytest.raises(InputError, match="mag_ratios"):
+        node().apply(model, "magcache", -1.0, 3, 0.2, mag_ratios="1.0, x")
 
 
 # --- image-to-video ------------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from .lora import LoraMerger, LoraSpec, name_aliases, read_lora
 from .runtime import Runtime, compile_stats, get_runtime
 from .sharding import MeshSpec, default_mesh, frame_split_spec, parse_mesh, validate_mesh
 from .stages import ImageConditioning, SampleSettings, StageProgram, StageTimings, TextEmbeddings, VideoLatents
+from .stepcache import BlockSpec
 from .validation import check_number
 from .weights import build_empty, keep_fp32_modules, load_into_meta_module, meta_tensors
 
@@ -123,6 +124,14 @@ class ModelFamily:
     two_experts = False  # Wan 2.2 A14B: a second (low-noise) transformer
     image_input = "none"  # "none": text-to-video; "required": image-to-video; "optional": either (Wan TI2V-5B)
     last_image_input = False  # Wan FLF2V: a last image as well as the first
+    #: Step caching (``stepcache.py``): where the transformer keeps its blocks and what they take and return;
+    #: None: this family has none (the option is refused).
+    STEP_CACHE_BLOCKS: "BlockSpec | None" = None
+    #: How diffusers' pipeline of this family calls CFG's two passes: "halves" (one call each, so one cache state
+    #: and one decision per pass, though we run them as one batch) or "batch" (one call, one state).
+    CFG_CONTEXTS = "batch"
+    step_cache_report: dict | None = None  # what the last sampling run's step cache did (``finish_step_cache``)
+    step_cache_calibrated: dict | None = None  # a calibrating run's MagCache ratios, one list per transformer
 
     def __init_subclass__(cls, **kwargs):
         """Every family's construction and stage calls are replayed on the workers of a multi-host slice."""
@@ -393,6 +402,74 @@ class ModelFamily:
         check_number("boundary", s.boundary, above=0.0, below=1.0, optional=True)
         self.validate(s.height, s.width, s.num_frames)
         self.validate_settings(s)
+        self.check_step_cache(s)
+
+    # --- step caching ------------------------------------------------------------------------------------------
+    def published_mag_ratios(self, s: SampleSettings, image: bool) -> "tuple[str, dict] | None":
+        """MagCache's published ratios for this model, (which model's, one list per transformer), or None."""
+        return None
+
+    def check_step_cache(self, s: SampleSettings) -> None:
+        """The step cache's settings, and (MagCache) that there are ratios to run with: the user's or the model's
+        published ones; refused before anything compiles, naming both ways out."""
+        cache = s.cache
+        if cache is None or not cache.active:
+            return
+        cache.check()
+        if self.STEP_CACHE_BLOCKS is None:
+            raise InputError(f"{self.FAMILY_NAME} has no step caching yet: run it with cache none")
+        if cache.method != "magcache" or cache.calibrate:
+            return
+        names = ["transformer"] + (["transformer_2"] if self.two_experts else [])
+        given = cache.mag_ratios or {}
+        if given:
+            extra = sorted(set(given) - set(names) - {"*"})
+            missing = [n for n in names if n not in given and "*" not in given]
+            if extra or missing:
+                raise InputError(f"mag ratios name {', '.join(extra or missing)}: this model's transformers are "
+                                 f"{', '.join(names)}; give one list (used for each) or an object with one list per "
+                                 "transformer")
+            return
+        if self.published_mag_ratios(s, image=False) is None:
+            raise InputError(f"{self.label} ({self.FAMILY_NAME}) has no published MagCache ratios: they are "
+                             "measured per model (the released Wan models have them). Give yours with --mag-ratios (comma-separated, or a JSON "
+                             "file; the node's mag_ratios), or measure them with --cache magcache --cache-calibrate, "
+                             "which writes mag_ratios.json")
+
+    def step_function(self, program: StageProgram, s: SampleSettings, experts: list[str], cfg: bool,
+                      image: bool = False) -> Callable:
+        """``run(i, state, *args)`` for step ``i`` of a sampling run: the compiled ``program``, or with a step cache
+        in ``s`` its cached programs (``experts``: the transformer each step uses). Compiled here, before the
+        first step; ``step_cache_report`` holds what the cache did once the run ends."""
+        self.step_cache_report = None
+        cache = s.cache
+        if cache is None or not cache.active:
+            executable = self.compile_stage(program)
+            return lambda i, state, *args: executable(state, *args)
+        from .stepcache import StepCacheRunner
+
+        source, ratios = "", None
+        if cache.method == "magcache" and not cache.calibrate:
+            if cache.mag_ratios:
+                source, ratios = "given", cache.mag_ratios
+            else:
+                source, ratios = self.published_mag_ratios(s, image)
+        runner = StepCacheRunner(self, cache, program, experts, cfg, ratios, source)
+        self._step_cache_runner = runner
+        return runner
+
+    def finish_step_cache(self) -> None:
+        """After a sampling run: what its step cache did, in ``step_cache_report`` (logged)."""
+        runner = self.__dict__.pop("_step_cache_runner", None)
+        if runner is not None:
+            self.step_cache_report = runner.report()
+            self.step_cache_calibrated = runner.calibrated() if runner.method == "calibrate" else None
+            log.info("%s", runner.summary())
+
+    def agree(self, what: str, values):
+        """A host decision every process of a multi-host slice takes alike: the first process's ``values``."""
+        slice_ = getattr(self.runtime, "slice", None)
+        return values if slice_ is None else slice_.agree(what, values)
 
     def check_sample(self, embeddings: TextEmbeddings, s: SampleSettings, image: "ImageConditioning | None",
                      cfg: bool) -> None:
@@ -450,8 +527,12 @@ class ModelFamily:
             raise RuntimeError(f"{self.label} is planned for devices this process cannot run on: compile its "
                                "stage programs with plan, not the runtime")
         with program.scope():
-            return self._compile(program.stage, program.fn, program.key, *program.example,
-                                 describe=program.describe)
+            executable = self._compile(program.stage, program.fn, program.key, *program.example,
+                                       describe=program.describe)
+        slice_ = getattr(self.runtime, "slice", None)
+        if slice_ is not None:  # a multi-host slice: every host compiled it before any runs it
+            slice_.barrier(program.describe)
+        return executable
 
     def arg(self, shape, dtype, spec: tuple = ()):
         """An input of a stage program: a shape struct of ``dtype`` (torch or jax) placed on the mesh by ``spec``."""

@@ -10,9 +10,12 @@ import contextlib
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from .stepcache import StepCache
 
 
 @dataclass
@@ -77,6 +80,7 @@ class SampleSettings:
     boundary: float | None = None  # Wan 2.2 two experts: boundary ratio (default: the model's)
     loras: tuple = ()  # LoraSpec: merged into the transformer (Wan 2.2 two experts: the high-noise expert)
     loras_2: tuple = ()  # LoraSpec: Wan 2.2 two experts only: merged into the low-noise expert
+    cache: "StepCache | None" = None  # step caching (engine/stepcache.py); None: every step runs every block
 
 
 @dataclass

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from .generate import STAGES, GenerateRequest, generate, print_summary  # noqa: F401 - the CLI's public names
-from .options import add_file_args, file_args
+from .options import add_cache_args, add_file_args, file_args
 
 log = logging.getLogger("tpu_runtime")
 
@@ -82,6 +82,7 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool = False) -> None:
                    help="auto: bfloat16 on TPU/GPU, float32 on CPU")
     p.add_argument("--fps", type=int, help="default: the model's (8 CogVideoX, 16 CogVideoX1.5 and Wan, "
                    "24 TI2V-5B)")
+    add_cache_args(p)
     p.add_argument("--stage", choices=STAGES, default="all",
                    help="sample starts from the stage-1 file in --output-dir, decode from the stage-2 file")
     p.add_argument("--vae-tiling", action="store_true", help="CogVideoX: decode in spatial tiles (large frames)")
@@ -121,7 +122,8 @@ def _request(args: argparse.Namespace, **overrides) -> GenerateRequest:
     return GenerateRequest(**values)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and its options (``--help`` shows each option's default)."""
     prog = "tpu-video" if Path(sys.argv[0]).name == "tpu-video" else "python -m tpu_runtime"
     parser = argparse.ArgumentParser(prog=prog, description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -151,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--process-id", type=int, help="this host's index, 1.. (default: $TPU_VIDEO_PROCESS_ID or "
                         "JAX's TPU detection)")
     worker.add_argument("--cache-dir", help="persistent XLA compilation cache (default as for generate)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     verbose = getattr(args, "verbose", False)
     logging.basicConfig(level=logging.INFO if verbose or args.command == "demo" else logging.WARNING,
@@ -163,8 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             return _demo(args)
         if args.command == "bench":
+            from . import bench
+
             return bench.main(args)
         if args.command == "plan":
+            from . import plan
+
             return plan.run(args)
         if args.command == "worker":
             return _worker(args)
@@ -190,6 +200,7 @@ def _worker(args: argparse.Namespace) -> int:
         raise InputError("--process-id 0 is the first process: run ComfyUI or `generate` there with "
                          "TPU_VIDEO_MULTIHOST=1, and `worker` on the other hosts")
     os.environ["TPU_VIDEO_MULTIHOST"] = "1"
+    os.environ["TPU_VIDEO_WORKER"] = "1"  # not the slice's first process: its id comes from --process-id or JAX
     for flag, name in (("coordinator", "TPU_VIDEO_COORDINATOR"), ("processes", "TPU_VIDEO_PROCESSES"),
                        ("process_id", "TPU_VIDEO_PROCESS_ID")):
         if getattr(args, flag) is not None:
@@ -198,7 +209,12 @@ def _worker(args: argparse.Namespace) -> int:
     if runtime.slice.is_driver:
         raise InputError("this host is the slice's first process (id 0): run ComfyUI or `generate` here with "
                          "TPU_VIDEO_MULTIHOST=1, and `worker` on the other hosts")
-    return serve(runtime, runtime.slice)
+    from ..multihost.transport import quiet_shutdown
+
+    code = serve(runtime, runtime.slice)
+    runtime.slice.close()
+    quiet_shutdown(leave=code == 0)
+    return code
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -56,11 +56,23 @@ class GenerateRequest:
     image: str | None = None  # image-to-video: the first frame
     last_image: str | None = None  # Wan FLF2V: the last frame
     clip_vision: str | None = None  # single-file Wan 2.1 I2V / FLF2V: models/clip_vision/clip_vision_h
+    cache: str = "none"  # step caching: none | magcache | first-block (engine/stepcache.py)
+    cache_threshold: float | None = None  # None: diffusers' default for the method
+    cache_max_skip: int | None = None  # None: 3
+    cache_retention: float | None = None  # None: 0.2
+    mag_ratios: str | None = None  # comma-separated, or a JSON file; None: the model's published ones
+    cache_calibrate: bool = False  # MagCache without skipping: writes mag_ratios.json
 
     def lora_specs(self) -> tuple[tuple, tuple]:
         from ..engine.lora import parse_lora
 
         return tuple(parse_lora(x) for x in self.loras), tuple(parse_lora(x) for x in self.loras_2)
+
+    def step_cache(self):
+        from .options import step_cache
+
+        return step_cache(self.cache, self.cache_threshold, self.cache_max_skip, self.cache_retention,
+                          self.mag_ratios, self.cache_calibrate)
 
     def attention_config(self):
         from ..engine.attention import AttentionConfig
@@ -142,8 +154,11 @@ def generate(req: GenerateRequest, family=None) -> dict:
     fps = family.default_fps() if req.fps is None else req.fps
     guidance = req.guidance if req.guidance is not None else family.DEFAULT_GUIDANCE
     loras, loras_2 = req.lora_specs()
+    cache = req.step_cache()
     settings = SampleSettings(height, width, frames, req.steps, guidance, req.seed, req.scheduler, req.dynamic_cfg,
-                              req.shift, req.guidance_2, req.boundary, loras=loras, loras_2=loras_2)
+                              req.shift, req.guidance_2, req.boundary, loras=loras, loras_2=loras_2, cache=cache)
+    if cache is not None and req.stage not in ("all", "sample"):
+        raise InputError(f"--cache applies to sampling: use it with --stage all or --stage sample, not {req.stage}")
     if req.stage in ("all", "sample"):
         family.check_settings(settings)  # before the encode stage spends any time
         family.apply_loras(family.lora_targets(settings), merge=False)  # every LoRA file read and checked too
@@ -192,6 +207,9 @@ def generate(req: GenerateRequest, family=None) -> dict:
         for name, specs in (("loras", loras), ("loras_2", loras_2)):
             if specs:
                 config[name] = [{"path": str(spec.path), "strength": spec.strength} for spec in specs]
+        config["step_cache"] = family.step_cache_report or {"method": "none"}
+        if cache is not None and cache.calibrate:
+            config["step_cache"]["mag_ratios_file"] = str(write_mag_ratios(out, family.step_cache_calibrated))
     if req.stage in ("all", "decode"):
         frames_tensor = family.decode(latents, tiling=req.vae_tiling, group_norm=req.group_norm)
         sf.save_frames(out, frames_tensor)
@@ -212,6 +230,18 @@ def generate(req: GenerateRequest, family=None) -> dict:
         "wall_s": round(time.perf_counter() - wall_start, 3),
     }
     return sf.update_config(out, **config, timings={req.stage: timings})
+
+
+def write_mag_ratios(out: Path, calibrated: dict[str, list[float]]) -> Path:
+    """mag_ratios.json: the ratios a calibrating run measured, as --mag-ratios reads them back: a list (one
+    transformer), or one list per transformer ("transformer", "transformer_2")."""
+    import json
+
+    path = out / "mag_ratios.json"
+    value = calibrated["transformer"] if list(calibrated) == ["transformer"] else calibrated
+    path.write_text(json.dumps(value, indent=1) + "\n")
+    log.info("MagCache ratios written to %s: use them with --mag-ratios %s", path, path)
+    return path
 
 
 def _log_step(i: int, total: int) -> None:

@@ -34,6 +34,7 @@ from ...engine.folders import inspect_family_folder, read_config, resolve_model_
 from ...engine.runtime import Runtime
 from ...engine.sharding import MeshSpec
 from ...engine.stages import ImageConditioning, SampleSettings, TextEmbeddings, VideoLatents, config_signature
+from ...engine.stepcache import BlockSpec
 from ...engine.streaming import run_streamed
 from ...engine.validation import frame_problem, raise_problems, size_problems
 from ...errors import InputError, ModelFolderError, StageFileError
@@ -77,6 +78,12 @@ class CogVideoXFamily(CogVideoXPrograms, ModelFamily):
     FAMILY = SPEC.name
     FAMILY_NAME = SPEC.display_name
     RULES = RULES
+    # diffusers' CogVideoXTransformer3DModel.transformer_blocks take and return the video and the text tokens;
+    # MagCache's residual covers the video tokens (the text tokens pass through: nothing reads them after the
+    # blocks). The pipelines call CFG's two passes as one batch ("cond_uncond"): one cache state.
+    STEP_CACHE_BLOCKS = BlockSpec("transformer_blocks", streams=("hidden_states", "encoder_hidden_states"),
+                                  mag_streams=("hidden_states",))
+    CFG_CONTEXTS = "batch"
 
     def __init__(self, path: str | Path, dtype: str = "auto", runtime: Runtime | None = None,
                  mesh: "str | dict | MeshSpec | None" = None, attention: "AttentionConfig | str | None" = None,
@@ -295,7 +302,7 @@ class CogVideoXFamily(CogVideoXPrograms, ModelFamily):
         stochastic = type(scheduler).__name__ == SCHEDULERS["dpm"]
         shape, pad = self.latent_shape(s.height, s.width, s.num_frames)
         program = self.sample_program(s.height, s.width, s.num_frames, cfg)
-        executable = self.compile_stage(program)
+        run = self.step_function(program, s, ["transformer"] * s.steps, cfg, image=image is not None)
         state = program.example[0]
 
         # Random draws, on CPU, in diffusers' order: (image-to-video) the image's posterior sample, the initial
@@ -326,13 +333,16 @@ class CogVideoXFamily(CogVideoXPrograms, ModelFamily):
                 if plan.second_draw[i]:
                     noise = randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=self.dtype)
                 noise = put(noise)
-            carry["latents"], carry["old_x0"] = executable(
-                state, carry["latents"], embeds_dev, put(torch.tensor([int(timesteps[i])], dtype=torch.int32)),
+            carry["latents"], carry["old_x0"] = run(
+                i, state, carry["latents"], embeds_dev, put(torch.tensor([int(timesteps[i])], dtype=torch.int32)),
                 put(torch.from_numpy(plan.coeffs[i])), noise, carry["old_x0"], rope_dev, image_dev, ofs_dev,
             )
             return carry["latents"]
 
-        self.run_steps(len(timesteps), step, on_step, should_stop)
+        try:
+            self.run_steps(len(timesteps), step, on_step, should_stop)
+        finally:
+            self.finish_step_cache()
         start = time.perf_counter()
         result = self.runtime.to_cpu(carry["latents"])
         self._record_run("sample", start)

@@ -43,6 +43,7 @@ from ...engine.runtime import Runtime
 from ...engine.schedulers import euler_simple_scheduler, linear_plan
 from ...engine.sharding import MeshSpec
 from ...engine.stages import ImageConditioning, SampleSettings, TextEmbeddings, VideoLatents, config_signature
+from ...engine.stepcache import BlockSpec
 from ...engine.streaming import run_streamed
 from ...engine.validation import frame_problem, raise_problems, size_problems
 from ...errors import InputError, ModelFolderError, StageFileError
@@ -100,6 +101,9 @@ class WanFamily(WanPrograms, ModelFamily):
     FAMILY_NAME = SPEC.display_name
     DEFAULT_GUIDANCE = DEFAULT_GUIDANCE
     RULES = RULES
+    # diffusers' WanTransformer3DModel.blocks; the pipelines call CFG's two passes apart ("cond", "uncond")
+    STEP_CACHE_BLOCKS = BlockSpec("blocks")
+    CFG_CONTEXTS = "halves"
 
     def __init__(self, path: str | Path | None = None, *, files: "WanFiles | dict | None" = None,
                  dtype: str = "auto", runtime: Runtime | None = None, mesh: "str | dict | MeshSpec | None" = None,
@@ -397,6 +401,12 @@ class WanFamily(WanPrograms, ModelFamily):
         s = self.vae_scale_spatial
         return (1, int(self.transformer_config["out_channels"]), frames, height // s, width // s)
 
+    def published_mag_ratios(self, s: SampleSettings, image: bool) -> tuple[str, dict] | None:
+        from .magcache import published
+
+        name = str(self.path) if self.path is not None else str(getattr(self.files, "transformer", ""))
+        return published(self.transformer_config, self.two_experts, image, s.height, s.width, name)
+
     def _image_mode(self, image: ImageConditioning | None) -> str:
         """How sampling uses the image: "" (none), "concat" (on channels, with the mask), "first" (TI2V-5B's first
         latent frame held at the image, timestep 0 on its tokens)."""
@@ -431,7 +441,9 @@ class WanFamily(WanPrograms, ModelFamily):
         program = self.sample_program(s.height, s.width, s.num_frames, cfg, plan, mode, images)
         for name in program.components:  # both experts on the devices before the first step
             self._component(name)
-        executable = self.compile_stage(program)
+        experts = ["transformer_2" if boundary is not None and float(t) < boundary else "transformer"
+                   for t in plan.timesteps]
+        run = self.step_function(program, s, experts, cfg, image=image is not None)
 
         # The only random draw of text-to-video: the initial latents, float32, on the CPU generator.
         generator = torch.Generator("cpu").manual_seed(int(s.seed))
@@ -451,16 +463,19 @@ class WanFamily(WanPrograms, ModelFamily):
 
         def step(i):
             t = float(plan.timesteps[i])
-            second = boundary is not None and t < boundary
-            state = self._states["transformer_2" if second else "transformer"]
+            second = experts[i] == "transformer_2"
+            state = self._states[experts[i]]
             g = guidance_2 if second else guidance
-            carry["x"], carry["kept"] = executable(
-                state, carry["x"], carry["kept"], embeds_dev, self.put(torch.tensor([t], dtype=torch.float32)),
+            carry["x"], carry["kept"] = run(
+                i, state, carry["x"], carry["kept"], embeds_dev, self.put(torch.tensor([t], dtype=torch.float32)),
                 self.put(torch.from_numpy(plan.matrices[i])), self.put(torch.tensor([g], dtype=torch.float32)),
                 condition_dev, image_embeds_dev)
             return carry["x"]
 
-        self.run_steps(plan.steps, step, on_step, should_stop)
+        try:
+            self.run_steps(plan.steps, step, on_step, should_stop)
+        finally:
+            self.finish_step_cache()
         start = time.perf_counter()
         result = self.runtime.to_cpu(carry["x"]).float().contiguous()
         if mode == "first":  # diffusers puts the image's latent frame back in front before decoding
