@@ -350,6 +350,8 @@ def family_nodes(spec) -> tuple[dict, dict]:
     for kind, (base, title, describe) in KINDS.items():
         if kind == "ModelFilesLoader" and spec.nodes.files_loader is None:
             continue
+        if kind == "StepCache" and not spec.step_cache:
+            continue
         name = spec.nodes.prefix + kind
         attrs = {"SPEC": spec, "CATEGORY": spec.nodes.category, "DESCRIPTION": describe(spec.nodes),
                  "__doc__": describe(spec.nodes), "__module__": __name__}

@@ -109,9 +109,9 @@ def test_the_sampler_node_refuses_what_the_cli_refuses(tiny_models):
     family = CogVideoXFamily(tiny_models["2b"], dtype="float32")
     embeddings = family.encode(PROMPT)
     before = compile_stats()
-    for settings, message in ((SampleSettings(64, 96, 9, steps=0), "steps 0 must be a whole number at least 1"),
-                              (SampleSettings(64, 96, 9, guidance=-2.0), "guidance -2.0 must be a number at least"),
-                              (SampleSettings(64, 96, 9, seed=-5), "seed -5 must be a whole number at least 0"),
+    for settings, message in ((SampleSettings(64, 96, 9, steps=0), "steps=0 must be a whole number at least 1"),
+                              (SampleSettings(64, 96, 9, guidance=-2.0), "guidance=-2.0 must be a number at least"),
+                              (SampleSettings(64, 96, 9, seed=-5), "seed=-5 must be a whole number at least 0"),
                               (SampleSettings(0, 96, 9), "height=0 must be a positive multiple of 16")):
         with pytest.raises(InputError, match=message):
             family.sample(embeddings, settings)
@@ -134,7 +134,7 @@ def test_a_later_stage_takes_the_size_its_stage_files_were_made_at(tiny_models, 
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["generate", "--cache", "magcache"], "unrecognized arguments: --cache magcache"),
+    (["generate", "--cache-d", "xla"], "unrecognized arguments: --cache-d xla"),  # not --cache-dir
     (["generate", "--stag", "all"], "unrecognized arguments: --stag"),
     (["plan", "--top", "v6e-8"], "the following arguments are required: --topology"),
 ])

@@ -266,7 +266,7 @@ def test_threshold_and_ratios_are_inputs_changing_them_compiles_nothing(wan21):
     program per shape; a new threshold, ratio list or skip pattern compiles nothing, and an uncached run at that
     shape adds exactly its one sampler program."""
     from tpu_runtime.engine.stages import SampleSettings
-    from tpu_runtime.engine.stepcache import StepCache
+    from tpu_runtime.engine.stages import StepCache
 
     embeddings = wan21.encode(PROMPT, NEGATIVE)
     runtime = wan21.runtime

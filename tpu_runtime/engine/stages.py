@@ -9,13 +9,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
-if TYPE_CHECKING:
-    from .stepcache import StepCache
+from ..errors import InputError
 
 
 @dataclass
@@ -63,6 +63,48 @@ class ImageConditioning:
 STAGE_VALUES = (TextEmbeddings, VideoLatents, ImageConditioning)
 
 
+METHODS = ("none", "magcache", "first-block")
+DEFAULT_THRESHOLD = {"magcache": 0.06, "first-block": 0.05}  # diffusers' MagCacheConfig / FirstBlockCacheConfig
+
+
+@dataclass
+class StepCache:
+    """One generation's step-cache settings. ``mag_ratios``: per transformer ("transformer", "transformer_2"), the
+    calibrated ratios (any length: interpolated to that transformer's step count as diffusers does); None: the
+    model's published ones. ``calibrate``: MagCache without skipping, recording the ratios instead."""
+
+    method: str = "none"
+    threshold: float | None = None  # None: diffusers' default for the method
+    max_skip: int = 3
+    retention: float = 0.2
+    mag_ratios: dict[str, tuple[float, ...]] | None = None
+    calibrate: bool = False
+
+    @property
+    def active(self) -> bool:
+        return self.method != "none"
+
+    def resolved_threshold(self) -> float:
+        return DEFAULT_THRESHOLD[self.method] if self.threshold is None else float(self.threshold)
+
+    def check(self) -> None:
+        """Refuse settings that cannot run, naming the option and the rule (before anything compiles)."""
+        from .validation import check_number
+
+        if self.method not in METHODS:
+            raise InputError(f"cache {self.method!r} is not a step-cache method: use one of {', '.join(METHODS)}")
+        check_number("cache threshold", self.threshold, minimum=0.0, optional=True)
+        check_number("cache max skip", self.max_skip, minimum=1, integer=True)
+        check_number("cache retention", self.retention, minimum=0.0, below=1.0)
+        if self.calibrate and self.method != "magcache":
+            raise InputError("calibrating writes MagCache's ratios: use it with the magcache method")
+        for name, ratios in (self.mag_ratios or {}).items():
+            if self.method != "magcache":
+                raise InputError("mag ratios are MagCache's: use them with the magcache method")
+            if not ratios or not all(isinstance(r, (int, float)) and math.isfinite(r) and r > 0 for r in ratios):
+                raise InputError(f"mag ratios for {name} must be a list of positive numbers, got {list(ratios)[:8]}")
+
+
 @dataclass
 class SampleSettings:
     """One generation's sampling settings. Options a model does not have are refused by its family, not ignored."""
@@ -80,7 +122,7 @@ class SampleSettings:
     boundary: float | None = None  # Wan 2.2 two experts: boundary ratio (default: the model's)
     loras: tuple = ()  # LoraSpec: merged into the transformer (Wan 2.2 two experts: the high-noise expert)
     loras_2: tuple = ()  # LoraSpec: Wan 2.2 two experts only: merged into the low-noise expert
-    cache: "StepCache | None" = None  # step caching (engine/stepcache.py); None: every step runs every block
+    cache: StepCache | None = None  # step caching (engine/stepcache.py); None: every step runs every block
 
 
 @dataclass

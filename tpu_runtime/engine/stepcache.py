@@ -37,11 +37,9 @@ import numpy as np
 import torch
 
 from ..errors import InputError
+from .stages import StageProgram, StepCache
 
 log = logging.getLogger(__name__)
-
-METHODS = ("none", "magcache", "first-block")
-DEFAULT_THRESHOLD = {"magcache": 0.06, "first-block": 0.05}  # diffusers' MagCacheConfig / FirstBlockCacheConfig
 
 
 @dataclass(frozen=True)
@@ -53,44 +51,6 @@ class BlockSpec:
     attribute: str
     streams: tuple[str, ...] = ("hidden_states",)
     mag_streams: tuple[str, ...] = ("hidden_states",)
-
-
-@dataclass
-class StepCache:
-    """One generation's step-cache settings. ``mag_ratios``: per transformer ("transformer", "transformer_2"), the
-    calibrated ratios (any length: interpolated to that transformer's step count as diffusers does); None: the
-    model's published ones. ``calibrate``: MagCache without skipping, recording the ratios instead."""
-
-    method: str = "none"
-    threshold: float | None = None  # None: diffusers' default for the method
-    max_skip: int = 3
-    retention: float = 0.2
-    mag_ratios: dict[str, tuple[float, ...]] | None = None
-    calibrate: bool = False
-
-    @property
-    def active(self) -> bool:
-        return self.method != "none"
-
-    def resolved_threshold(self) -> float:
-        return DEFAULT_THRESHOLD[self.method] if self.threshold is None else float(self.threshold)
-
-    def check(self) -> None:
-        """Refuse settings that cannot run, naming the option and the rule (before anything compiles)."""
-        from .validation import check_number
-
-        if self.method not in METHODS:
-            raise InputError(f"cache {self.method!r} is not a step-cache method: use one of {', '.join(METHODS)}")
-        check_number("cache threshold", self.threshold, minimum=0.0, optional=True)
-        check_number("cache max skip", self.max_skip, minimum=1, integer=True)
-        check_number("cache retention", self.retention, minimum=0.0, below=1.0)
-        if self.calibrate and self.method != "magcache":
-            raise InputError("calibrating writes MagCache's ratios: use it with the magcache method")
-        for name, ratios in (self.mag_ratios or {}).items():
-            if self.method != "magcache":
-                raise InputError("mag ratios are MagCache's: use them with the magcache method")
-            if not ratios or not all(isinstance(r, (int, float)) and math.isfinite(r) and r > 0 for r in ratios):
-                raise InputError(f"mag ratios for {name} must be a list of positive numbers, got {list(ratios)[:8]}")
 
 
 def parse_mag_ratios(text: str, where: str = "--mag-ratios") -> dict[str, tuple[float, ...]]:
@@ -291,7 +251,6 @@ def cached_program(family, program, mode: str, spec: BlockSpec, contexts: str, c
     leaves the rest of the step out of it). ``cache_structs``: the shapes of the cached tensors it takes."""
     import jax
 
-    from .stages import StageProgram
 
     env = family.runtime.env
     module = family._parts[program.components[0]]
@@ -325,9 +284,11 @@ def _spread_spec(family, shape) -> tuple:
 
 
 def _spread(family, value):
+    """A cached tensor placed as ``_spread_spec`` says; a small one (FirstBlockCache's change, read back on every
+    process of a slice) on every device."""
     import jax
 
-    if not hasattr(value, "shape") or len(value.shape) < 3:
+    if not hasattr(value, "shape"):
         return value
     spec = _spread_spec(family, value.shape)
     return jax.lax.with_sharding_constraint(value, family.runtime.sharding(family.mesh, spec))
@@ -490,7 +451,7 @@ class StepCacheRunner:
         if reference is None:  # nothing to compare with: every context computes (the change is not used)
             reference = jnp.ones(self._first_struct.shape, self._first_struct.dtype)
         out = self.executables["fbc_first"](state, *args, {"first_residual": reference})
-        change = np.asarray(out["change"], dtype=np.float64)
+        change = self.family.runtime.host_numpy(out["change"]).astype(np.float64)
         log.debug("first-block change %s", change)
         # diffusers: a context computes its first call, then whenever the change is over the threshold
         skip = expert.computed & ~(change > self.threshold)

@@ -62,7 +62,8 @@ def check_number(name: str, value, *, minimum=None, above=None, below=None, inte
         ok = ok and value < below
     if not ok:
         leave = " (leave it out for the model's default)" if optional else ""
-        raise InputError(f"{name} {value} must be {kind} {' and '.join(rules)}{leave}")
+        given = f"{name} {value}" if name.startswith("--") else f"{name}={value}"  # as the user wrote it
+        raise InputError(f"{given} must be {kind} {' and '.join(rules)}{leave}")
 
 
 def raise_problems(problems: list[str]) -> None:

@@ -42,6 +42,9 @@ def family_class(spec: FamilySpec) -> type:
     cls = spec.load(spec.family_class)
     if cls.FAMILY != spec.name:
         raise TypeError(f"{cls.__name__}.FAMILY is {cls.FAMILY!r}, its declaration says {spec.name!r}")
+    if (cls.STEP_CACHE_BLOCKS is not None) != spec.step_cache:
+        raise TypeError(f"{cls.__name__}.STEP_CACHE_BLOCKS is {cls.STEP_CACHE_BLOCKS!r}, its declaration says "
+                        f"step_cache={spec.step_cache}")
     return cls
 
 

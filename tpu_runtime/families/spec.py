@@ -104,7 +104,7 @@ class FamilySpec:
     ``unsupported``). ``recognise_files``: a function ``(role -> path) -> bool`` saying whether single files are
     this family's, read from tensor names and shapes. ``architectures``: released models by name, as config-only
     folders (``plan``). ``message_types``: the dataclasses its constructor takes that a multi-host message carries
-    by value."""
+    by value. ``step_cache``: its transformers take a step cache (``STEP_CACHE_BLOCKS``; the Step Cache node)."""
 
     name: str
     display_name: str
@@ -121,6 +121,7 @@ class FamilySpec:
     file_roles: tuple[FileRole, ...] = ()
     recognise_files: str | None = None
     message_types: tuple[str, ...] = ()
+    step_cache: bool = False
 
     def load(self, ref: str):
         """The object ``ref`` ("module:attribute" inside the family's package) names, its module imported now."""

@@ -24,8 +24,7 @@ def plain_types() -> dict[str, type]:
     from ..engine.attention import AttentionConfig
     from ..engine.lora import LoraSpec
     from ..engine.sharding import MeshSpec
-    from ..engine.stages import SampleSettings
-    from ..engine.stepcache import StepCache
+    from ..engine.stages import SampleSettings, StepCache
     from ..families import registry
 
     return {c.__name__: c for c in (SampleSettings, StepCache, LoraSpec, AttentionConfig, MeshSpec,

@@ -211,6 +211,8 @@ def generate(req: GenerateRequest, family=None) -> dict:
         if cache is not None and cache.calibrate:
             config["step_cache"]["mag_ratios_file"] = str(write_mag_ratios(out, family.step_cache_calibrated))
     if req.stage in ("all", "decode"):
+        if req.stage == "decode":
+            latents = sf.load_latents(out)
         frames_tensor = family.decode(latents, tiling=req.vae_tiling, group_norm=req.group_norm)
         sf.save_frames(out, frames_tensor)
         write_mp4(frames_tensor, out / sf.VIDEO_FILE, fps=fps)

@@ -45,7 +45,8 @@ def step_cache(method: str = "none", threshold=None, max_skip=None, retention=No
                calibrate: bool = False, where: str = "--"):
     """The StepCache these options ask for (None: no caching), checked; options that do nothing with the method
     chosen are refused, not ignored."""
-    from ..engine.stepcache import StepCache, parse_mag_ratios
+    from ..engine.stages import StepCache
+    from ..engine.stepcache import parse_mag_ratios
     from ..errors import InputError
 
     node = {"cache": "method", "cache_threshold": "threshold", "cache_max_skip": "max_skip",

@@ -28,6 +28,7 @@ SPEC = FamilySpec(
     example_repo="THUDM/CogVideoX-2b",
     folder_names=("diffusers", "CogVideo"),
     architectures="architectures:ARCHITECTURES",
+    step_cache=True,
     demos={"2b": Demo("tiny:build_tiny_cogvideox", ("2b",), 64, 96, 9),
            "5b": Demo("tiny:build_tiny_cogvideox", ("5b",), 64, 96, 9),
            "1.5": Demo("tiny:build_tiny_cogvideox", ("1.5",), 64, 64, 17)},

@@ -32,6 +32,7 @@ SPEC = FamilySpec(
     example_repo="Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
     folder_names=("diffusers",),
     architectures="architectures:ARCHITECTURES",
+    step_cache=True,
     demos={"wan2.1": Demo("tiny:build_tiny_wan", ("2.1",), 64, 96, 9),
            "wan2.2-a14b": Demo("tiny:build_tiny_wan", ("2.2-A14B",), 64, 96, 9),
            "wan2.2-ti2v-5b": Demo("tiny:build_tiny_wan", ("2.2-TI2V-5B",), 64, 96, 9)},
