@@ -5,8 +5,9 @@ usage: python multihost_job.py OUT_DIR JOBS_JSON
 
 JOBS_JSON is a list of steps run in order:
   {"generate": NAME, "model": PATH, "mesh": MESH, "height": H, "width": W, "frames": F, "loras": [FILE:S],
-   "image": PATH}
-      generate() into OUT_DIR/NAME (float32, 2 steps, CFG, seed 4; image-to-video with "image")
+   "image": PATH, "steps": N, "cache": {GenerateRequest's cache fields}}
+      generate() into OUT_DIR/NAME (float32, 2 steps unless given, CFG, seed 4; image-to-video with "image"; step
+      caching with "cache")
   {"open_missing": PATH}     open a model the workers do not have: report the error and the compiles made
   {"cancel": K, "model": PATH, "mesh": MESH, "steps": N, ...sizes}
       sample with Cancel pressed after step K (should_stop), then with the step callback raising after step K (as
@@ -46,10 +47,12 @@ for job in jobs:
     if "generate" in job:
         req = GenerateRequest(model=job["model"], output_dir=str(out / job["generate"]), prompt="a panda playing a guitar",
                               negative_prompt="blurry, low quality", height=job["height"], width=job["width"],
-                              frames=job["frames"], steps=2, guidance=6.0, seed=4, dtype="float32", mesh=job["mesh"],
-                              loras=job.get("loras", []), image=job.get("image"))
+                              frames=job["frames"], steps=job.get("steps", 2), guidance=6.0, seed=4, dtype="float32",
+                              mesh=job["mesh"], loras=job.get("loras", []), image=job.get("image"),
+                              **job.get("cache", {}))
         config = generate(req)
-        report[job["generate"]] = {"mesh": config["mesh"], "devices": config["devices"], "loras": "loras" in config}
+        report[job["generate"]] = {"mesh": config["mesh"], "devices": config["devices"], "loras": "loras" in config,
+                                   "step_cache": config["step_cache"]}
     elif "open_missing" in job:
         before = compile_stats()
         try:

@@ -92,13 +92,18 @@ def _run_slice(tmp: Path, jobs, driver_cwd: Path, worker_cwd: Path):
 # checked in one process by test_mesh.py): CogVideoX with CFG's halves on different hosts, Wan with a LoRA on tp=8
 # (its merge then runs on weights split over both processes), Wan 2.1 I2V on tp=8 from a picture (the image
 # encode stage, its CLIP features and the conditioned step replayed on the worker).
-RUNS = {"cogvideox_dp": ("cogvideox", "dp"), "wan_tp": ("wan", "tp"), "wan_i2v_tp": ("wan_i2v", "tp")}
+# Wan with FirstBlockCache on dp (its two CFG passes decide apart, each process reads back the same change and
+# takes the first process's decision).
+RUNS = {"cogvideox_dp": ("cogvideox", "dp"), "wan_tp": ("wan", "tp"), "wan_i2v_tp": ("wan_i2v", "tp"),
+        "wan_cached_dp": ("wan", "dp")}
+CACHED = {"cache": {"cache": "first-block", "cache_threshold": 0.5}, "steps": 3}
 
 
 def _generate_jobs(models):
     return [{"generate": name, "model": str(models[model]), "mesh": MESHES[axis], **SIZE,
              **({"loras": [f"{models['wan_lora']}:0.8"]} if name == "wan_tp" else {}),
-             **({"image": str(models["picture"])} if model == "wan_i2v" else {})}
+             **({"image": str(models["picture"])} if model == "wan_i2v" else {}),
+             **(CACHED if name == "wan_cached_dp" else {})}
             for name, (model, axis) in RUNS.items()]
 
 
@@ -139,6 +144,8 @@ def test_two_processes_give_the_one_process_frames(two_processes, one_process):
         assert got.shape == want.shape and np.isfinite(got).all()
         print(name, "max |slice - one process|", np.abs(got - want).max())
         assert np.abs(got - want).max() < 1e-5, (name, np.abs(got - want).max())
+        assert report[name]["step_cache"] == single[name]["step_cache"]
+    assert report["wan_cached_dp"]["step_cache"]["skipped_steps"] == [2, 3]  # every process skipped the same
     # The worker ran every call and stopped when process 0 closed the slice.
     assert worker_code == 0, worker_log[-3000:]
     assert worker_log.count("call ") >= 4 * len(RUNS), worker_log[-3000:]  # open, encode, sample, decode

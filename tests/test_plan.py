@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tpu_runtime.errors import InputError
-from tpu_runtime.tools.plan import GIB, ModelSource, parse_topology, plan
+from tpu_runtime.tools.plan import GIB, ModelSource, format_report, parse_topology, plan
 
 V6E_8 = "v6e-8"
 
@@ -411,6 +411,36 @@ def test_two_expert_models_count_both_experts_resident():
     parts = {c: _param_bytes_per_chip(family, c) for c in names}
     assert parts["transformer_2"] == parts["transformer"] == report.stages["sample"].weights_bytes_per_chip
     assert report.resident_weights_bytes_per_chip == sum(parts.values())
+
+
+def test_a_step_cache_plans_its_programs_and_counts_its_residuals():
+    """plan --cache compiles the step cache's programs in place of the sampler's and counts what it keeps between
+    steps with the weights, once per expert (MagCache: the blocks' residual; FirstBlockCache: the first block's
+    and the other blocks' residuals): here [2 (CFG), 2 x 4 x 4 tokens, 5120] in bfloat16 split over all 8 chips."""
+    from tpu_runtime.engine.stages import SampleSettings
+    from tpu_runtime.tools.plan import _with_step_cache, open_abstract
+
+    mesh = "dp=2,sp=1,tp=4"
+    report = plan(ModelSource("wan2.2-t2v-a14b"), V6E_8, mesh=mesh, height=64, width=64, frames=5,
+                  stages=("sample",), layers=1, cache="magcache")
+    assert set(report.stages) == {"sample_mag_full", "sample_mag_skip"}
+    assert all(s.compiled for s in report.stages.values()) and report.fits
+    one = 2 * (2 * 4 * 4) * 5120 * 2 // 8
+    assert report.step_cache_bytes_per_chip == one * 2  # two experts, each its own
+    family = open_abstract(ModelSource("wan2.2-t2v-a14b"), parse_topology(V6E_8).devices(), _tmp(), mesh=mesh,
+                           layers=1)
+    names = ("text_encoder", "transformer", "transformer_2", "vae")
+    for name in names:
+        family._component(name)
+    weights = sum(_param_bytes_per_chip(family, c) for c in names)
+    assert report.resident_weights_bytes_per_chip == weights + report.step_cache_bytes_per_chip
+    text = format_report(report)
+    assert "step cache magcache" in text and "step cache resident" in text
+    programs, held, _ = _with_step_cache(family, family.plan_programs(SampleSettings(64, 64, 5, guidance=4.0)),
+                                         "first-block", cfg=True)
+    assert [p.name for p in programs if p.stage == "sample"] == ["sample_fbc_first", "sample_fbc_rest",
+                                                                 "sample_fbc_skip"]
+    assert held == 2 * one * 2
 
 
 def test_a_kernel_out_of_scoped_vmem_is_reported_with_smaller_blocks():

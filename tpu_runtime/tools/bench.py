@@ -13,6 +13,7 @@ weights instead: host seconds and peak host memory of our loader, each in a fres
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import platform
@@ -116,6 +117,75 @@ def run_bench(model: str | None, generation: str, height: int, width: int, frame
         "cold_ours_over_diffusers": cold_wall / eager_cold,
     }
     return result
+
+
+def bench_step_cache(model: str | None, generation: str, height: int, width: int, frames: int, steps: int,
+                     method: str, threshold: float | None = None, mag_ratios: str | None = None,
+                     max_skip: int | None = None, retention: float | None = None, repeats: int = 2,
+                     dtype: str = "auto") -> dict:
+    """One process, one model, one prompt: the sampler's time and the transformer blocks it runs, without and with
+    the step cache, each program compiled before the timed runs. MagCache's ratios: ``mag_ratios``, else the
+    model's published ones, else (a tiny random model has none) Wan 2.1 T2V 1.3B's published curve, so the skip
+    pattern is a released model's."""
+    from ..engine.runtime import compile_stats, get_runtime
+    from ..engine.stages import SampleSettings
+    from ..families import registry
+    from ..families.wan import magcache
+    from .generate import GenerateRequest, open_model
+    from .options import step_cache
+
+    work = Path(tempfile.mkdtemp(prefix="tpu_video_bench_"))
+    tiny = model is None
+    model_path = registry.demos()[generation][0].build_demo(generation, work / "model") if tiny else Path(model)
+    runtime = get_runtime(cache_dir=work / "xla_cache")
+    family = open_model(GenerateRequest(model=str(model_path), output_dir=str(work), dtype=dtype), runtime)
+    embeddings = family.encode("a panda playing a guitar", "blurry")
+    cache = step_cache(method, threshold, max_skip, retention, mag_ratios)
+    base = SampleSettings(height, width, frames, steps=steps, guidance=family.DEFAULT_GUIDANCE, seed=0)
+    ratios_source = "given" if mag_ratios else ""
+    if method == "magcache" and not mag_ratios:
+        published = family.published_mag_ratios(base, image=False)
+        if published is None:
+            cache = dataclasses.replace(cache, mag_ratios={"*": magcache.diffusers_list(magcache.WAN21_T2V_1_3B)})
+            ratios_source = "Wan2.1-T2V-1.3B's published curve (stand-in: this model has none)"
+        else:
+            ratios_source = published[0]
+    result = {"machine": _machine(runtime), "family": family.FAMILY,
+              "model": f"tiny random-weight {family.FAMILY_NAME}-{family.generation}" if tiny else str(model_path),
+              "request": {"height": height, "width": width, "frames": frames, "steps": steps, "dtype": dtype,
+                          "method": method, "threshold": cache.resolved_threshold(), "ratios": ratios_source}}
+    for name, c in (("uncached", None), ("cached", cache)):
+        settings = dataclasses.replace(base, cache=c)
+        before = compile_stats()
+        family.sample(embeddings, settings)  # compiles, then runs once
+        compiles = compile_stats().since(before).xla_compiles
+        runs = []
+        for i in range(repeats):
+            start = time.perf_counter()
+            family.sample(embeddings, dataclasses.replace(settings, seed=i + 1))
+            runs.append(time.perf_counter() - start)
+        report = family.step_cache_report or {"transformer_block_runs": steps * len(
+            getattr(family._parts["transformer"], family.STEP_CACHE_BLOCKS.attribute)), "skipped": 0}
+        result[name] = {"sampler_s": runs, "median_s": statistics.median(runs), "compiles": compiles,
+                        "block_runs": report["transformer_block_runs"], "skipped_steps": report["skipped"],
+                        "skipped": report.get("skipped_steps", [])}
+    result["ratios"] = {"time_uncached_over_cached": result["uncached"]["median_s"] / result["cached"]["median_s"],
+                        "blocks_uncached_over_cached": result["uncached"]["block_runs"] /
+                        max(1, result["cached"]["block_runs"])}
+    return result
+
+
+def print_step_cache_table(r: dict) -> None:
+    q = r["request"]
+    print(f"\nStep cache bench: {r['model']}, {q['frames']}x{q['height']}x{q['width']}, {q['steps']} steps, "
+          f"{r['machine']['backend']} ({r['machine']['device_kind']}), {q['method']} threshold {q['threshold']:g}"
+          + (f", ratios: {q['ratios']}" if q["ratios"] else ""))
+    print(f"  {'run':<10} {'sampler s':>10} {'block runs':>11} {'skipped':>8} {'compiles':>9}")
+    for name in ("uncached", "cached"):
+        x = r[name]
+        print(f"  {name:<10} {x['median_s']:>10.3f} {x['block_runs']:>11} {x['skipped_steps']:>8} {x['compiles']:>9}")
+    print(f"  uncached / cached: sampler time {r['ratios']['time_uncached_over_cached']:.2f}x, transformer blocks "
+          f"{r['ratios']['blocks_uncached_over_cached']:.2f}x (median of the warm runs)")
 
 
 def _timed(fn, repeats: int = 3) -> float:
@@ -417,6 +487,11 @@ def add_args(p) -> None:
                    "size, ours against diffusers' from_pretrained")
     p.add_argument("--lora-merge", action="store_true", help="instead: time merging LoRAs of several ranks into tiny "
                    "Wan transformers of several widths")
+    p.add_argument("--cache", choices=["magcache", "first-block"], help="instead: the sampler with and without "
+                   "this step cache, in one process (use --steps 50)")
+    p.add_argument("--cache-threshold", type=float, help="with --cache (default: diffusers')")
+    p.add_argument("--mag-ratios", help="with --cache magcache (default: the model's published ones; a tiny model: "
+                   "Wan 2.1 T2V 1.3B's)")
     p.add_argument("--json", help="also write the results here")
 
 
@@ -430,6 +505,14 @@ def main(args) -> int:
     elif args.lora_merge:
         r = bench_lora_merge()
         print_lora_table(r)
+    elif args.cache:
+        from ..families import registry
+
+        demo = registry.demos()[args.generation][1]
+        r = bench_step_cache(args.model, args.generation, args.height or demo.height, args.width or demo.width,
+                             args.frames or demo.frames, args.steps, args.cache, args.cache_threshold,
+                             args.mag_ratios, repeats=args.repeats, dtype=args.dtype)
+        print_step_cache_table(r)
     else:
         from ..families import registry
 

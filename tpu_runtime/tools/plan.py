@@ -72,6 +72,7 @@ class MeshReport:
     peak_bytes_per_chip: int
     stages: dict[str, StageReport] = field(default_factory=dict)
     why: str = ""  # what made it "does not fit", when it does not
+    step_cache_bytes_per_chip: int = 0  # what a step cache keeps between steps (every transformer's)
 
 
 @dataclass
@@ -97,6 +98,8 @@ class PlanReport:
     devices_per_chip: int = 1  # v7x: 2 (its TensorCores are two JAX devices); every *_per_chip is then per device
     resident_weights_bytes_per_chip: int = 0
     why: str = ""
+    step_cache: str = "none"
+    step_cache_bytes_per_chip: int = 0
     candidates: list[dict] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -308,13 +311,17 @@ def candidate_meshes(chips: int, heads: int, cfg: bool, fsdp: bool = False) -> l
 def plan(source: ModelSource, topology: str | Topology, *, height: int | None = None, width: int | None = None,
          frames: int | None = None, guidance: float | None = None, steps: int = 50, mesh=None,
          dtype: str = "bfloat16", attention=None, fsdp: bool = False, vae_sharding: str = "auto",
-         stages=STAGES, layers: int | None = None, max_candidates: int = 3, every_stage: bool = False) -> PlanReport:
+         stages=STAGES, layers: int | None = None, max_candidates: int = 3, every_stage: bool = False,
+         cache: str = "none") -> PlanReport:
     """Compile ``stages`` of one generation for ``topology`` and report per-chip memory and what fits.
 
     With no ``mesh``, up to ``max_candidates`` meshes are compiled and the fitting one with the least per-chip
     memory is chosen. Bad input raises ``InputError`` before anything compiles. Once a mesh's answer is "does not
-    fit", its other stages are not compiled unless ``every_stage``.
+    fit", its other stages are not compiled unless ``every_stage``. ``cache`` ("magcache", "first-block"): the
+    sampler's programs are a step-cached run's, and what its cache keeps between steps counts with the weights.
     """
+    from ..engine.stages import METHODS
+
     from ..engine.runtime import get_runtime
 
     start = time.perf_counter()
@@ -322,6 +329,8 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
     unknown = sorted(set(stages) - set(STAGES))
     if unknown or not stages:
         raise InputError(f"stages {unknown or 'none'}: choose from {', '.join(STAGES)}")
+    if cache not in METHODS:
+        raise InputError(f"cache {cache!r}: choose from {', '.join(METHODS)}")
     devices = topo.devices()
     get_runtime()  # torchax and the attention override
     with tempfile.TemporaryDirectory() as work:
@@ -345,7 +354,7 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
                 family = base if spec == base.mesh_spec else open_abstract(
                     source, devices, Path(work), mesh=spec, dtype=dtype, attention=attention, fsdp=fsdp,
                     vae_sharding=vae_sharding, layers=layers)
-                results.append(_plan_mesh(family, settings, stages, topo, every_stage))
+                results.append(_plan_mesh(family, settings, stages, topo, every_stage, cache))
         fitting = [r for r in results if r.fits]
         chosen = min(fitting or results, key=lambda r: r.peak_bytes_per_chip)
         report = PlanReport(
@@ -356,6 +365,7 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
             vae_sharding=base.vae_sharding, layers=layers, mesh=chosen.mesh, fits=chosen.fits,
             peak_bytes_per_chip=chosen.peak_bytes_per_chip, stages=chosen.stages,
             resident_weights_bytes_per_chip=chosen.resident_weights_bytes_per_chip, why=chosen.why,
+            step_cache=cache, step_cache_bytes_per_chip=chosen.step_cache_bytes_per_chip,
             candidates=[{"mesh": r.mesh, "fits": r.fits, "peak_bytes_per_chip": r.peak_bytes_per_chip}
                         for r in results],
         )
@@ -366,22 +376,54 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
     return report
 
 
-def _plan_mesh(family, settings: SampleSettings, stages, topo: Topology, every_stage: bool = False) -> MeshReport:
+def _with_step_cache(family, programs: list, method: str, cfg: bool) -> tuple[list, int, dict]:
+    """``programs`` with the sampler's replaced by a step-cached run's (MagCache: full and skipping steps;
+    FirstBlockCache: the first block, the rest, skipping), the bytes per chip its cache keeps between steps (one
+    set per transformer: Wan 2.2's experts keep theirs), and each cached program's share of that in its inputs."""
+    import jax
+
+    from ..engine.stepcache import step_cache_programs
+
+    out, held, inputs = [], 0, {}
+    for program in programs:
+        if program.stage != "sample":
+            out.append(program)
+            continue
+        cached = step_cache_programs(family, method, program, cfg)
+        kept = ("residual",) if method == "magcache" else ("first_residual", "rest_residual")
+        carry = {k: v for k, v in cached["mag_skip" if method == "magcache" else "fbc_rest"].example[-1].items()
+                 if k in kept}
+        one = shard_bytes(dict(enumerate(jax.tree_util.tree_leaves(carry))))
+        held = one * len(program.components)
+        for p in cached.values():
+            out.append(p)
+            inputs[p.name] = min(one, shard_bytes(dict(enumerate(jax.tree_util.tree_leaves(p.example[-1])))))
+    return out, held, inputs
+
+
+def _plan_mesh(family, settings: SampleSettings, stages, topo: Topology, every_stage: bool = False,
+               cache: str = "none") -> MeshReport:
     """Compile the stages' programs on ``family``'s mesh. Once the answer is "does not fit" (the resident weights
     alone exceed a chip, or a stage did not compile, or does not fit beside them) the rest are not compiled:
-    their compiles cannot change the verdict and may take many minutes. ``every_stage`` compiles them anyway."""
+    their compiles cannot change the verdict and may take many minutes. ``every_stage`` compiles them anyway.
+    With a step ``cache``, its residuals stay on the chips between steps like the weights (counted with them)."""
     every = family.plan_programs(settings)
+    held, cache_inputs = 0, {}
+    if cache != "none":
+        every, held, cache_inputs = _with_step_cache(family, every, cache, settings.guidance > 1.0)
     programs = [p for stage in stages for p in every if p.stage == stage]
     components = sorted({c for p in every for c in p.components})
     for c in components:  # a program names every component it takes turns with (Wan 2.2's second expert)
         family._component(c)
     weights = {c: shard_bytes(family._states[c]) for c in components}
-    report = MeshReport(str(family.mesh_spec), False, sum(weights.values()), 0)
+    report = MeshReport(str(family.mesh_spec), False, sum(weights.values()) + held, 0, step_cache_bytes_per_chip=held)
     _PROGRESS["stages"] = report.stages
     verdict = None
     if report.resident_weights_bytes_per_chip > topo.hbm_bytes:
         verdict = (f"the weights resident on every chip alone need {report.resident_weights_bytes_per_chip / GIB:.1f}"
                    f" GiB, the chip has {topo.hbm_bytes / GIB:.0f} GiB")
+        if held:
+            verdict += f" (with the step cache's {held / GIB:.2f} GiB)"
     for program in programs:  # a stage may have several (a streamed decode's first and later chunks)
         if verdict and not every_stage:
             own = shard_bytes(program.example[0])
@@ -392,17 +434,23 @@ def _plan_mesh(family, settings: SampleSettings, stages, topo: Topology, every_s
         log.info("compiling %s for %s, mesh %s", program.describe, topo, family.mesh_spec)
         # The program receives one component's weights (Wan 2.2's experts take turns with the same program).
         stage = report.stages[program.name] = compile_program(program, topo)
-        needs = report.resident_weights_bytes_per_chip + max(0, stage.total_bytes_per_chip - stage.weights_bytes_per_chip)
+        needs = report.resident_weights_bytes_per_chip + _beside(stage, cache_inputs.get(program.name, 0))
         if not stage.compiled:
             verdict = verdict or f"{program.name} did not compile"
         elif needs > topo.hbm_bytes:
             verdict = verdict or f"{program.name} needs {needs / GIB:.1f} GiB beside the resident weights"
     # Every component stays on the devices between stages; each stage adds its inputs, outputs and temporaries.
-    extra = [max(0, r.total_bytes_per_chip - r.weights_bytes_per_chip) for r in report.stages.values()]
+    extra = [_beside(r, cache_inputs.get(name, 0)) for name, r in report.stages.items()]
     report.peak_bytes_per_chip = report.resident_weights_bytes_per_chip + max(extra, default=0)
     report.fits = all(r.compiled for r in report.stages.values()) and report.peak_bytes_per_chip <= topo.hbm_bytes
     report.why = verdict or ""
     return report
+
+
+def _beside(stage: StageReport, resident_inputs: int = 0) -> int:
+    """What a stage needs beside what stays on the chips (the weights, and a step cache's residuals, which a
+    cached program also takes as an input)."""
+    return max(0, stage.total_bytes_per_chip - stage.weights_bytes_per_chip - resident_inputs)
 
 
 def suggestions(source: ModelSource, family, report: MeshReport, topo: Topology, layers, stages) -> list[str]:
@@ -539,6 +587,10 @@ def format_report(r: PlanReport) -> str:
         tried = "; ".join(f"{c['mesh']}: {_gib(c['peak_bytes_per_chip'])} GiB"
                           f"{'' if c['fits'] else ' (does not fit)'}" for c in r.candidates)
         lines.append(f"  meshes tried: {tried}")
+    if r.step_cache != "none":
+        lines.append(f"  step cache {r.step_cache}: its residuals stay on the chips between steps, "
+                     f"{_gib(r.step_cache_bytes_per_chip)} GiB per {unit} (every transformer's), counted with the "
+                     "weights")
     verdict = "FITS" if r.fits else "DOES NOT FIT"
     failed = [name for name, s in r.stages.items() if not s.compiled and not s.skipped]
     skipped = [name for name, s in r.stages.items() if s.skipped]
@@ -552,8 +604,11 @@ def format_report(r: PlanReport) -> str:
         lines.append(f"  verdict: {verdict}: {', '.join(failed)} did not compile (above); all weights resident "
                      f"{_gib(r.resident_weights_bytes_per_chip)} of {_gib(r.chip_hbm_bytes)} GiB per {unit}")
     else:
+        resident = "all weights resident"
+        if r.step_cache_bytes_per_chip:
+            resident = "all weights and the step cache resident"
         lines.append(f"  verdict: {verdict}: peak {_gib(r.peak_bytes_per_chip)} of {_gib(r.chip_hbm_bytes)} GiB per "
-                     f"{unit} (all weights resident, {_gib(r.resident_weights_bytes_per_chip)} GiB, + the largest "
+                     f"{unit} ({resident}, {_gib(r.resident_weights_bytes_per_chip)} GiB, + the largest "
                      f"stage's activations{per_chip})")
     for s in r.suggestions:
         lines.append(f"  try: {s}")
@@ -594,6 +649,9 @@ def add_args(parser) -> None:
                         "(image: image-to-video models)")
     parser.add_argument("--every-stage", action="store_true", help="compile every stage even once the verdict is "
                         "\"does not fit\" (by default the rest are skipped: their compiles cannot change it)")
+    parser.add_argument("--cache", choices=["none", "magcache", "first-block"], default="none",
+                        help="plan a step-cached run: its skipping programs, and the residuals it keeps on the chips "
+                        "between steps counted with the weights")
     parser.add_argument("--layers", type=int, help="compile the transformer with this many layers (a quick check; "
                         "reported as reduced depth)")
     parser.add_argument("--json", help="also write the report as JSON to this file")
@@ -642,7 +700,8 @@ def run(args) -> int:
                               guidance=args.guidance, steps=args.steps, mesh=args.mesh, dtype=args.dtype,
                               attention=attention, fsdp=args.fsdp, vae_sharding=args.vae_sharding,
                               stages=tuple(s.strip() for s in args.stages.split(",") if s.strip()),
-                              layers=args.layers, max_candidates=args.candidates, every_stage=args.every_stage)
+                              layers=args.layers, max_candidates=args.candidates, every_stage=args.every_stage,
+                              cache=args.cache)
                 print(format_report(report), flush=True)
                 reports.append(report.to_json())
                 if args.json:  # rewritten after every plan: a long table run keeps what it has so far
