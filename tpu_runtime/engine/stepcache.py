@@ -335,33 +335,13 @@ def contexts_of(family, cfg: bool) -> tuple[str, int]:
 
 def step_cache_programs(family, method: str, program, cfg: bool) -> dict:
     """The programs a step-cached sampling run with ``method`` ("magcache", "calibrate", "first-block") runs in
-    place of ``program``, by mode; ``held_bytes`` of the result says what their cached tensors hold."""
+    place of ``program``, by mode."""
     contexts, n = contexts_of(family, cfg)
     modes = MODES[method]
     streams = () if method == "calibrate" else stream_shapes(family, program)
     structs = cache_structs(family, streams, n) if streams else {"mag_full": {}}
     return {mode: cached_program(family, program, mode, family.STEP_CACHE_BLOCKS, contexts, structs[mode])
             for mode in modes}
-
-
-def held_bytes(family, method: str, streams: tuple) -> tuple[int, int]:
-    """(bytes in all, bytes on the fullest device) the cached tensors hold between steps, per transformer: MagCache
-    the block stack's residual, FirstBlockCache the first block's residual and the other blocks' residuals."""
-    spec = family.STEP_CACHE_BLOCKS
-    if method == "first-block":
-        held = [streams[0], *streams]
-    else:
-        held = [streams[spec.streams.index(name)] for name in spec.mag_streams]
-    mesh = dict(family.mesh.shape)
-    total = per_device = 0
-    for s in held:
-        size = math.prod(s.shape) * np.dtype(s.dtype).itemsize
-        split = 1
-        for axis in _spread_spec(family, s.shape):
-            for a in (axis if isinstance(axis, tuple) else (axis,) if axis else ()):
-                split *= mesh[a]
-        total, per_device = total + size, per_device + size // split
-    return total, per_device
 
 
 # --- one generation's steps ------------------------------------------------------------------------------------------
