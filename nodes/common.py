@@ -118,7 +118,7 @@ def image_cond_input(image_type: str) -> dict:
 
 
 def sampler_inputs(model_type: str, embeds_type: str, width: int, height: int, frames: int, frames_tip: str,
-                   guidance: float, schedulers: list[str]) -> dict:
+                   guidance: float, schedulers: list[str], steps: int = 50) -> dict:
     """The inputs every sampler has, with the family's native defaults."""
     return {
         "model": (model_type,),
@@ -126,7 +126,7 @@ def sampler_inputs(model_type: str, embeds_type: str, width: int, height: int, f
         "width": ("INT", {"default": width, "min": 16, "max": 4096, "step": 16}),
         "height": ("INT", {"default": height, "min": 16, "max": 4096, "step": 16}),
         "frames": ("INT", {"default": frames, "min": 1, "max": 1024, "step": 1, "tooltip": frames_tip}),
-        "steps": ("INT", {"default": 50, "min": 1, "max": 1000}),
+        "steps": ("INT", {"default": steps, "min": 1, "max": 1000}),
         "guidance": ("FLOAT", {"default": guidance, "min": 0.0, "max": 30.0, "step": 0.1,
                                "tooltip": "CFG scale; 1 or less turns CFG off (half the work per step)"}),
         "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True}),
@@ -134,10 +134,10 @@ def sampler_inputs(model_type: str, embeds_type: str, width: int, height: int, f
     }
 
 
-def run_sampler(model, embeds, settings, image_cond=None):
+def run_sampler(model, embeds, settings, image_cond=None, **refine):
     """Sample with ComfyUI's progress bar (one tick per step) and Cancel (checked before every step), with the
     LoRAs of the LoRA nodes before it (none: any merged earlier are removed) and the image encode node's output
-    for image-to-video."""
+    for image-to-video; ``refine``: ``latents`` to refine (two-stage generation)."""
     import dataclasses
 
     from .comfy_bridge import interrupt_requested, progress_bar, raise_if_interrupted
@@ -154,7 +154,8 @@ def run_sampler(model, embeds, settings, image_cond=None):
             bar.update_absolute(i, total)
 
     try:
-        latents = model.sample(embeds, settings, on_step=on_step, should_stop=interrupt_requested, image=image_cond)
+        latents = model.sample(embeds, settings, on_step=on_step, should_stop=interrupt_requested, image=image_cond,
+                               **refine)
     except Exception:
         raise_if_interrupted()  # a cancelled prompt is reported as cancelled, not as an error
         raise
@@ -182,28 +183,39 @@ def save_mag_ratios(model, calibrated: dict) -> None:
     log.warning("MagCache ratios of %s: %s", model.label, text)
 
 
-def decode_latent(model, samples, **options):
-    """Frames from our sampler's LATENT, or from a plain ComfyUI LATENT whose sizes follow from its shape."""
+def latent_value(model, samples):
+    """The ``VideoLatents`` of a LATENT: our sampler's own value, or a plain ComfyUI LATENT whose sizes follow from
+    its shape (e.g. after ComfyUI's latent nodes)."""
     from tpu_runtime.errors import StageFileError
     from tpu_runtime.engine.stages import VideoLatents
-
-    from .comfy_bridge import progress_bar
 
     z = samples["samples"]
     info = samples.get("tpu_video")
     if isinstance(info, VideoLatents) and z is info.latents:
-        latents = info  # the sampler's own value (on a multi-host slice the workers hold it too)
-    elif isinstance(info, VideoLatents) and tuple(info.latents.shape) == tuple(z.shape):
-        latents = VideoLatents(z, info.height, info.width, info.num_frames, info.model_signature)
-    else:
-        if z.ndim != 5:
-            s = model.vae_scale_spatial
-            raise StageFileError(f"LATENT samples have shape {tuple(z.shape)}; {model.FAMILY_NAME} decodes video "
-                                 f"latents [B, C, T, H/{s}, W/{s}]: connect a video sampler's output")
-        s, t = model.vae_scale_spatial, model.vae_scale_temporal
-        latents = VideoLatents(z, z.shape[3] * s, z.shape[4] * s, (z.shape[2] - 1) * t + 1, model.signature)
-    bar = progress_bar(1)
+        return info  # the sampler's own value (on a multi-host slice the workers hold it too)
+    if isinstance(info, VideoLatents) and tuple(info.latents.shape) == tuple(z.shape):
+        return VideoLatents(z, info.height, info.width, info.num_frames, info.model_signature, audio=info.audio)
+    if z.ndim != 5:
+        s = model.vae_scale_spatial
+        raise StageFileError(f"LATENT samples have shape {tuple(z.shape)}; {model.FAMILY_NAME} decodes video "
+                             f"latents [B, C, T, H/{s}, W/{s}]: connect a video sampler's output")
+    s, t = model.vae_scale_spatial, model.vae_scale_temporal
+    return VideoLatents(z, z.shape[3] * s, z.shape[4] * s, (z.shape[2] - 1) * t + 1, model.signature)
+
+
+def decode_latent(model, samples, audio: bool = False, **options):
+    """Frames from a LATENT (``latent_value``); with ``audio`` also the sound track as ComfyUI's AUDIO
+    (``{"waveform": [1, channels, samples], "sample_rate"}``)."""
+    from .comfy_bridge import progress_bar
+
+    latents = latent_value(model, samples)
+    bar = progress_bar(2 if audio else 1)
     frames = model.decode(latents, **options)
     if bar is not None:
-        bar.update_absolute(1, 1)
-    return (frames,)
+        bar.update_absolute(1, 2 if audio else 1)
+    if not audio:
+        return (frames,)
+    waveform = model.decode_audio(latents)
+    if bar is not None:
+        bar.update_absolute(2, 2)
+    return frames, {"waveform": waveform[None].contiguous(), "sample_rate": model.sample_rate}

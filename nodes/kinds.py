@@ -1,6 +1,6 @@
 """The node kinds, written once for every family: Loader (a diffusers folder) and Model Files Loader (ComfyUI's
-single files) → Text Encode [+ Image Encode] → Sampler → Decode, with LoRA and Step Cache between loader and
-sampler.
+single files) → Text Encode [+ Image Encode] → Sampler [→ Upsample → Sampler] → Decode, with LoRA and Step Cache
+between loader and sampler.
 
 ``family_nodes(spec)`` makes a family's node classes from its declaration (``FamilySpec.nodes``): class names
 ``prefix + kind`` (``TPUWanSampler``), display names ``"<title> <kind> (TPU)"``, the family's types, defaults and
@@ -18,6 +18,7 @@ from .common import (
     base_model,
     decode_latent,
     image_cond_input,
+    latent_value,
     load_model,
     run_sampler,
     sampler_inputs,
@@ -69,21 +70,26 @@ class Loader(_Node):
         return {
             "required": {"model": (names, {"tooltip": cls.SPEC.nodes.loader_tooltip}), "dtype": DTYPE_INPUT},
             "optional": {"model_path": ("STRING", {"default": "", "tooltip": "a folder anywhere (overrides model)"}),
-                         **DEVICE_INPUTS, **LAYOUT_INPUTS},
+                         **DEVICE_INPUTS, **LAYOUT_INPUTS, **cls.SPEC.nodes.loader_optional},
         }
 
     def load(self, model: str, dtype: str, model_path: str = "", mesh: str = "auto", attention: str = "auto",
-             cache_dir: str = "", vae_sharding: str = "auto", fsdp: bool = False):
+             cache_dir: str = "", vae_sharding: str = "auto", fsdp: bool = False, **family_options):
         from tpu_runtime.engine.folders import resolve_model_path
+        from tpu_runtime.errors import InputError
         from tpu_runtime.families import registry
 
         from .model_folders import folder_path
 
+        unknown = sorted(set(family_options) - set(self.SPEC.nodes.loader_optional))
+        if unknown:
+            raise InputError(f"{type(self).__name__} has no input {', '.join(unknown)}")
         folder = str(resolve_model_path(model_path.strip() or str(folder_path(self.SPEC, model))))
         options = _device_options(dtype, mesh, attention, vae_sharding, fsdp)
-        key = (self.SPEC.name, folder, *options.values())
+        extra = {k: (v.strip() if isinstance(v, str) else v) or None for k, v in family_options.items()}
+        key = (self.SPEC.name, folder, *options.values(), *sorted(extra.items()))
         cls = registry.family_class(self.SPEC)
-        return (load_model(key, lambda runtime: cls(folder, runtime=runtime, **options), cache_dir),)
+        return (load_model(key, lambda runtime: cls(folder, runtime=runtime, **options, **extra), cache_dir),)
 
 
 class ModelFilesLoader(_Node):
@@ -300,17 +306,54 @@ class Sampler(_Node):
         model, embeds, image = cls.types()
         s = cls.SPEC.nodes.sampler
         inputs = sampler_inputs(model, embeds, s.width, s.height, s.frames, s.frames_tip, s.guidance,
-                                list(s.schedulers))
-        return {"required": {**inputs, **s.required}, "optional": {**s.optional, **image_cond_input(image)}}
+                                list(s.schedulers), s.steps)
+        optional = {**s.optional, **image_cond_input(image)}
+        if s.refine:
+            optional.update(REFINE_INPUTS)
+        return {"required": {**inputs, **s.required}, "optional": optional}
 
     def sample(self, model, embeds, width, height, frames, steps, guidance, seed, scheduler, image_cond=None,
-               **extra):
+               samples=None, noise_scale=-1.0, **extra):
         from tpu_runtime.engine.stages import SampleSettings
 
+        refine = {} if samples is None else {"latents": latent_value(base_model(model), samples)}
         settings = SampleSettings(height, width, frames, steps, guidance, seed,
                                   None if scheduler == "model default" else scheduler,
-                                  **self.SPEC.nodes.sampler.settings(extra))
-        return run_sampler(model, embeds, settings, image_cond)
+                                  **self.SPEC.nodes.sampler.settings(extra),
+                                  **({"noise_scale": noise_scale} if samples is not None and noise_scale >= 0 else {}))
+        return run_sampler(model, embeds, settings, image_cond, **refine)
+
+
+# The sampler's inputs for refining given latents (two-stage generation: the Upsample node's output).
+REFINE_INPUTS = {
+    "samples": ("LATENT", {"tooltip": "refine these latents (the Upsample node's) instead of starting from noise: "
+                           "set width and height to their size and sigmas to stage2"}),
+    "noise_scale": ("FLOAT", {"default": -1.0, "min": -1.0, "max": 1.0, "step": 0.01,
+                              "tooltip": "how much fresh noise the refined latents get; -1: the schedule's first "
+                              "sigma (diffusers' recipe)"}),
+}
+
+
+class Upsample(_Node):
+    """The latents at twice the width and height, for a second, refining sampler."""
+
+    RETURN_TYPES = ("LATENT",)
+    RETURN_NAMES = ("samples",)
+    FUNCTION = "upsample"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": (cls.types()[0],), "samples": ("LATENT",)}}
+
+    def upsample(self, model, samples):
+        from .comfy_bridge import progress_bar
+
+        family = base_model(model)
+        bar = progress_bar(1)
+        latents = family.upsample(latent_value(family, samples))
+        if bar is not None:
+            bar.update_absolute(1, 1)
+        return ({"samples": latents.latents, "tpu_video": latents},)
 
 
 class Decode(_Node):
@@ -325,7 +368,7 @@ class Decode(_Node):
         return {"required": {"model": (cls.types()[0],), "samples": ("LATENT",), **cls.SPEC.nodes.decode_inputs}}
 
     def decode(self, model, samples, **options):
-        return decode_latent(model, samples, **options)
+        return decode_latent(model, samples, audio=self.SPEC.nodes.audio, **options)
 
 
 # kind -> (class-name suffix, display-name suffix, the node's description from the spec)
@@ -337,6 +380,7 @@ KINDS = {
     "LoRA": (LoRA, "LoRA", lambda n: LoRA.DESCRIPTION),
     "StepCache": (StepCache, "Step Cache", lambda n: StepCache.DESCRIPTION),
     "Sampler": (Sampler, "Sampler", lambda n: n.sampler_doc),
+    "Upsample": (Upsample, "Upsample", lambda n: n.upsample_doc),
     "Decode": (Decode, "Decode", lambda n: n.decode_doc),
 }
 
@@ -352,11 +396,15 @@ def family_nodes(spec) -> tuple[dict, dict]:
             continue
         if kind == "StepCache" and not spec.step_cache:
             continue
+        if kind == "Upsample" and not spec.nodes.upsample_doc:
+            continue
         name = spec.nodes.prefix + kind
         attrs = {"SPEC": spec, "CATEGORY": spec.nodes.category, "DESCRIPTION": describe(spec.nodes),
                  "__doc__": describe(spec.nodes), "__module__": __name__}
         if kind in returns:
             attrs["RETURN_TYPES"] = returns[kind]
+        if kind == "Decode" and spec.nodes.audio:
+            attrs.update(RETURN_TYPES=("IMAGE", "AUDIO"), RETURN_NAMES=("frames", "audio"))
         classes[name] = type(name, (base,), attrs)
         titles[name] = f"{spec.nodes.title} {title} (TPU)"
     return classes, titles

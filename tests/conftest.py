@@ -131,3 +131,16 @@ def i2v_models(tmp_path_factory):
         "wan-flf2v": build_tiny_wan(base / "wan21_flf2v", "2.1", seed=3, image="flf2v"),
         "wan-a14b": build_tiny_wan(base / "wan22_i2v_a14b", "2.2-A14B", seed=3, image="i2v"),
     }
+
+
+# LTX-2: 64x96 (multiples of its 32) and 17 frames (3 latent frames; 18 latent sound frames at 24 fps).
+LTX2_SIZE = (64, 96, 17)
+
+
+@pytest.fixture(scope="session")
+def tiny_ltx2(tmp_path_factory):
+    """Tiny random-weight LTX-2.0 and 2.3 folders in diffusers format, each with its latent upsampler."""
+    from tpu_runtime.families.ltx2.tiny import LTX2_GENERATIONS, build_tiny_ltx2
+
+    base = tmp_path_factory.mktemp("tiny_ltx2")
+    return {g: build_tiny_ltx2(base / f"ltx2_{g}", g, seed=6) for g in LTX2_GENERATIONS}

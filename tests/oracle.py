@@ -159,3 +159,57 @@ def wan_i2v_frames(folder, image, last_image, prompt, negative, height, width, f
                negative_prompt=negative, height=height, width=width, num_frames=frames, num_inference_steps=steps,
                guidance_scale=guidance, generator=torch.Generator("cpu").manual_seed(seed), output_type=output_type)
     return out.frames[0]
+
+
+@functools.lru_cache(maxsize=4)
+def _ltx2_pipeline(cls_name: str, folder: str):
+    import diffusers
+
+    pipe = getattr(diffusers, cls_name).from_pretrained(folder, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def ltx2_outputs(folder, seed, image=None, output_type="np", **call):
+    """(frames ``[F, H, W, 3]`` or video latents, waveform ``[channels, samples]`` or sound latents) exactly as
+    diffusers' LTX2Pipeline (LTX2ImageToVideoPipeline with ``image``, a PNG path) makes them; ``call``: the
+    pipeline's own arguments."""
+    from PIL import Image
+
+    cls = "LTX2ImageToVideoPipeline" if image is not None else "LTX2Pipeline"
+    pipe = _ltx2_pipeline(cls, str(folder))
+    extra = {"image": Image.open(image)} if image is not None else {}
+    out = pipe(generator=torch.Generator("cpu").manual_seed(seed), output_type=output_type, **extra, **call)
+    video = out.frames if output_type == "latent" else out.frames[0]
+    audio = out.audio if output_type == "latent" else out.audio[0]
+    return video, audio
+
+
+def ltx2_two_stages(folder, seed, prompt, negative, height, width, frames, first_steps, stage_1=None, stage_2=None):
+    """diffusers' two-stage recipe, chained as its LTX-2 documentation chains the pipelines: LTX2Pipeline at
+    ``height`` x ``width`` to latents, LTX2LatentUpsamplePipeline (the folder's latent_upsampler/) to twice the
+    size, LTX2Pipeline again from the upsampled video and the first stage's sound latents with the second stage's
+    distilled sigmas on a scheduler without dynamic shifting (a fresh generator of the same seed). Returns
+    (frames, waveform)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2LatentUpsamplePipeline
+    from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
+    from diffusers.pipelines.ltx2.utils import STAGE_2_DISTILLED_SIGMA_VALUES
+
+    pipe = _ltx2_pipeline("LTX2Pipeline", str(folder))
+    video, audio = ltx2_outputs(folder, seed, output_type="latent", prompt=prompt, negative_prompt=negative,
+                                height=height, width=width, num_frames=frames, num_inference_steps=first_steps,
+                                **(stage_1 or {}))
+    upsampler = LTX2LatentUpsamplerModel.from_pretrained(str(folder) + "/latent_upsampler", dtype=torch.float32)
+    upsample = LTX2LatentUpsamplePipeline(vae=pipe.vae, latent_upsampler=upsampler)
+    upsampled = upsample(latents=video, output_type="latent").frames
+    original = pipe.scheduler
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(original.config, use_dynamic_shifting=False,
+                                                                 shift_terminal=None)
+    try:
+        out = pipe(latents=upsampled, audio_latents=audio, prompt=prompt, negative_prompt=negative,
+                   num_inference_steps=3, noise_scale=STAGE_2_DISTILLED_SIGMA_VALUES[0],
+                   sigmas=STAGE_2_DISTILLED_SIGMA_VALUES, generator=torch.Generator("cpu").manual_seed(seed),
+                   output_type="np", **(stage_2 or {}))
+    finally:
+        pipe.scheduler = original
+    return out.frames[0], out.audio[0]

@@ -27,7 +27,15 @@ EXPECTED = {
     "TPUWanStepCache": ("TPU_WAN_MODEL",),
     "TPUWanSampler": ("LATENT",),
     "TPUWanDecode": ("IMAGE",),
+    "TPULTX2Loader": ("TPU_LTX2_MODEL",),
+    "TPULTX2TextEncode": ("TPU_LTX2_EMBEDS",),
+    "TPULTX2ImageEncode": ("TPU_LTX2_IMAGE",),
+    "TPULTX2LoRA": ("TPU_LTX2_MODEL",),
+    "TPULTX2Sampler": ("LATENT",),
+    "TPULTX2Upsample": ("LATENT",),
+    "TPULTX2Decode": ("IMAGE", "AUDIO"),
 }
+CATEGORIES = {"Wan": "TPU video/Wan", "CogVideoX": "TPU video/CogVideoX", "LTX2": "TPU video/LTX-2"}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +54,7 @@ def test_pack_registers_nodes(pack):
     assert set(pack.NODE_DISPLAY_NAME_MAPPINGS) == set(EXPECTED)
     for key, cls in pack.NODE_CLASS_MAPPINGS.items():
         assert cls.RETURN_TYPES == EXPECTED[key]
-        assert cls.CATEGORY == ("TPU video/Wan" if "Wan" in key else "TPU video/CogVideoX")
+        assert cls.CATEGORY == next(c for name, c in CATEGORIES.items() if key.startswith(f"TPU{name}"))
         assert callable(getattr(cls, cls.FUNCTION))
         inputs = cls.INPUT_TYPES()
         assert "required" in inputs

@@ -74,13 +74,17 @@ def model_class(library: str, name: str) -> type:
     """A class named in ``model_index.json`` (library, class name), e.g. ("diffusers", "AutoencoderKLWan")."""
     import importlib
 
-    if library not in ("diffusers", "transformers"):
-        raise ModelFolderError(f"a component of library {library!r} cannot be loaded here (diffusers and "
-                               "transformers models only)")
+    # diffusers names a model that lives in one of its pipeline packages by that package (LTX-2's connectors and
+    # vocoder: ["ltx2", "LTX2TextConnectors"]), as its own loader resolves it.
+    module = library if library in ("diffusers", "transformers") else f"diffusers.pipelines.{library}"
     try:
-        return getattr(importlib.import_module(library), name)
+        return getattr(importlib.import_module(module), name)
+    except ImportError:
+        raise ModelFolderError(f"a component of library {library!r} cannot be loaded here (diffusers and "
+                               "transformers models, and the models of diffusers' pipelines)") from None
     except AttributeError:
-        raise ModelFolderError(f"{library} has no {name}: update {library}, or re-download model_index.json")
+        raise ModelFolderError(f"{library} has no {name}: update diffusers/transformers, or re-download "
+                               "model_index.json") from None
 
 
 def builder(cls: type, config: dict) -> Callable[[], torch.nn.Module]:
@@ -402,7 +406,21 @@ class ModelFamily:
         check_number("boundary", s.boundary, above=0.0, below=1.0, optional=True)
         self.validate(s.height, s.width, s.num_frames)
         self.validate_settings(s)
+        self.check_foreign_settings(s)
         self.check_step_cache(s)
+
+    #: The settings of ``stages.FAMILY_SETTINGS`` this family reads; any other one given is refused.
+    OWN_SETTINGS: frozenset[str] = frozenset()
+
+    def check_foreign_settings(self, s: SampleSettings) -> None:
+        """Refuse a setting of another family's models (given a value), never ignore it."""
+        from .stages import FAMILY_SETTINGS
+
+        for name, owner in FAMILY_SETTINGS.items():
+            value = getattr(s, name)
+            if name not in self.OWN_SETTINGS and value is not None and value is not False:
+                raise InputError(f"{name}={value} is an option of {owner} models; {self.label} is a "
+                                 f"{self.FAMILY_NAME} model: leave {name} unset")
 
     # --- step caching ------------------------------------------------------------------------------------------
     def published_mag_ratios(self, s: SampleSettings, image: bool) -> "tuple[str, dict] | None":

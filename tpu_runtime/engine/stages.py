@@ -20,24 +20,31 @@ from ..errors import InputError
 
 @dataclass
 class TextEmbeddings:
-    """Stage 1 output: text-encoder embeddings for the prompt and the negative prompt, CPU tensors ``[1, L, D]``."""
+    """Stage 1 output: text-encoder embeddings for the prompt and the negative prompt, CPU tensors ``[1, L, D]``.
+    A model with a sound track (LTX-2) has a second text stream for it: ``audio_prompt_embeds`` and
+    ``negative_audio_prompt_embeds``."""
 
     prompt_embeds: torch.Tensor
     negative_prompt_embeds: torch.Tensor
     prompt: str
     negative_prompt: str
     model_signature: str
+    audio_prompt_embeds: torch.Tensor | None = None
+    negative_audio_prompt_embeds: torch.Tensor | None = None
 
 
 @dataclass
 class VideoLatents:
-    """Stage 2 output: denoised latents ``[B, C, T, h, w]`` float32 on CPU, before the VAE's scaling."""
+    """Stage 2 output: denoised latents ``[B, C, T, h, w]`` float32 on CPU, before the VAE's scaling; with a sound
+    track (LTX-2) also ``audio``, the audio VAE's latents ``[B, C, L, M]`` float32 (de-normalised, as diffusers'
+    ``output_type="latent"`` returns them)."""
 
     latents: torch.Tensor
     height: int
     width: int
     num_frames: int
     model_signature: str
+    audio: torch.Tensor | None = None
 
 
 @dataclass
@@ -123,6 +130,24 @@ class SampleSettings:
     loras: tuple = ()  # LoraSpec: merged into the transformer (Wan 2.2 two experts: the high-noise expert)
     loras_2: tuple = ()  # LoraSpec: Wan 2.2 two experts only: merged into the low-noise expert
     cache: StepCache | None = None  # step caching (engine/stepcache.py); None: every step runs every block
+    # LTX-2 (video with sound); None: the model's default. The guidance terms are diffusers' LTX2Pipeline's.
+    audio_guidance: float | None = None  # CFG scale of the sound (audio_guidance_scale)
+    stg_scale: float | None = None  # spatio-temporal guidance, video and sound (stg_scale, audio_stg_scale)
+    stg_blocks: tuple[int, ...] | None = None  # the blocks STG perturbs (spatio_temporal_guidance_blocks)
+    modality_scale: float | None = None  # modality-isolation guidance, video and sound
+    guidance_rescale: float | None = None  # rescale of the guided prediction, video and sound
+    frame_rate: float | None = None  # frames per second the video is made for (enters the positions)
+    sigmas: str | None = None  # the sigma schedule: None (the model's), "distilled", "stage2" (the refine stage)
+    noise_scale: float | None = None  # sampling from given latents: how much fresh noise (default: the first sigma)
+
+
+# Settings only some families read: the family whose models read each, for messages. A family lists the ones it
+# reads in ``ModelFamily.OWN_SETTINGS``; any other given a value is refused before anything runs.
+FAMILY_SETTINGS = {
+    "dynamic_cfg": "CogVideoX", "shift": "Wan", "guidance_2": "Wan 2.2 A14B", "boundary": "Wan 2.2 A14B",
+    "audio_guidance": "LTX-2", "stg_scale": "LTX-2", "stg_blocks": "LTX-2", "modality_scale": "LTX-2",
+    "guidance_rescale": "LTX-2", "frame_rate": "LTX-2", "sigmas": "LTX-2", "noise_scale": "LTX-2",
+}
 
 
 @dataclass

@@ -13,10 +13,11 @@ from pathlib import Path
 
 from ..errors import InputError, ModelFolderError
 from .cogvideox import SPEC as COGVIDEOX
+from .ltx2 import SPEC as LTX2
 from .spec import Demo, FamilySpec
 from .wan import SPEC as WAN
 
-FAMILIES: list[FamilySpec] = [COGVIDEOX, WAN]
+FAMILIES: list[FamilySpec] = [COGVIDEOX, WAN, LTX2]
 
 
 def register(spec: FamilySpec) -> FamilySpec:
@@ -166,4 +167,19 @@ def open_model(model: str | None = None, files: dict[str, str | Path] | None = N
                          f"{flags(roles)}) instead of --model")
     index = read_model_index(path, example=FAMILIES[0].example_repo)
     spec = spec_for_folder(path, index)
-    return family_class(spec)(path, index=index, **options)
+    cls = family_class(spec)
+    _check_options(spec, cls, options)
+    return cls(path, index=index, **options)
+
+
+def _check_options(spec: FamilySpec, cls: type, options: dict) -> None:
+    """Refuse an option the family's models do not take (e.g. LTX-2's --upsampler for Wan), naming it."""
+    import inspect
+
+    accepted = inspect.signature(cls).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+        return
+    foreign = [name for name in options if name not in accepted]
+    if foreign:
+        raise InputError(f"{', '.join('--' + n.replace('_', '-') for n in foreign)}: not an option of "
+                         f"{spec.display_name} models; leave it out")

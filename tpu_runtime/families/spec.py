@@ -55,6 +55,8 @@ class SamplerNode:
     required: dict = field(default_factory=dict)
     optional: dict = field(default_factory=dict)
     settings: Callable[[dict], dict] = lambda inputs: {}
+    steps: int = 50
+    refine: bool = False  # an optional LATENT input: sample from those latents (the upsampler's) with noise_scale
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,10 @@ class NodeSpec:
     decode_inputs: dict = field(default_factory=dict)  # required inputs after model and samples (passed to decode)
     lora_optional: dict = field(default_factory=dict)  # the LoRA node's optional inputs (Wan 2.2's expert)
     files_loader: "FilesLoaderNode | None" = None
+    loader_optional: dict = field(default_factory=dict)  # the folder loader's own inputs, after the shared ones;
+    #                                                      each is the family constructor's keyword of that name
+    audio: bool = False  # the decode node gives ComfyUI's AUDIO beside the IMAGE batch (a sound track)
+    upsample_doc: str = ""  # a latent Upsample node (two-stage generation), described so; "": none
 
 
 @dataclass(frozen=True)

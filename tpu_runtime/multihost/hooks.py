@@ -15,7 +15,7 @@ from typing import Callable
 
 # The stage calls of a family that run programs on the devices: each is replayed on the workers (a new stage
 # method belongs in this list).
-REPLAYED = ("encode", "encode_image", "sample", "decode", "apply_loras", "release")
+REPLAYED = ("encode", "encode_image", "sample", "upsample", "decode", "decode_audio", "apply_loras", "release")
 
 ENABLE_ENV = "TPU_VIDEO_MULTIHOST"
 _joiner: Callable[[], object] | None = None

@@ -78,6 +78,20 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool = False) -> None:
                    "(default: --guidance)")
     p.add_argument("--boundary", type=float, help="Wan 2.2 A14B: expert switch as a fraction of the 1000 "
                    "training timesteps (default: the model's, 0.875)")
+    ltx2 = p.add_argument_group("LTX-2 (video with sound; each left out: the model's default, as diffusers')")
+    ltx2.add_argument("--audio-guidance", type=float, help="CFG scale of the sound (default 7)")
+    ltx2.add_argument("--stg-scale", type=float, help="spatio-temporal guidance, video and sound (default 1; 0 "
+                      "turns it off)")
+    ltx2.add_argument("--modality-scale", type=float, help="modality-isolation guidance (default 3; 1 turns it off)")
+    ltx2.add_argument("--guidance-rescale", type=float, help="rescale of the guided prediction (default 0.7; 0 "
+                      "turns it off)")
+    ltx2.add_argument("--frame-rate", type=float, help="frames per second the video is made for: sets the sound's "
+                      "length and the positions (default 24; also the mp4's unless --fps)")
+    ltx2.add_argument("--sigmas", choices=["default", "distilled", "stage2"], help="sigma schedule: the model's "
+                      "(default), the distilled model's 8 steps, the refine stage's 3")
+    if not demo:
+        ltx2.add_argument("--upsampler", help="the spatial latent upsampler's folder (default: the model's "
+                          "latent_upsampler/)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="auto: bfloat16 on TPU/GPU, float32 on CPU")
     p.add_argument("--fps", type=int, help="default: the model's (8 CogVideoX, 16 CogVideoX1.5 and Wan, "
@@ -222,7 +236,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     spec, demo = registry.demos()[args.generation]
     out = Path(args.output_dir)
-    model_dir = out / f"tiny_random_{spec.name}_{args.generation.lower().removeprefix(spec.name)}"
+    variant = args.generation.lower().removeprefix(spec.name).strip("._-")
+    model_dir = out / f"tiny_random_{spec.name}{'_' + variant if variant else ''}"
     banner = (f"NOTE: the demo model has RANDOM weights, built on the spot: the video is noise. It shows the "
               f"pipeline runs end to end on this machine; use a real {spec.display_name} model with `generate` for "
               "real video.")

@@ -62,6 +62,16 @@ class GenerateRequest:
     cache_retention: float | None = None  # None: 0.2
     mag_ratios: str | None = None  # comma-separated, or a JSON file; None: the model's published ones
     cache_calibrate: bool = False  # MagCache without skipping: writes mag_ratios.json
+    # LTX-2 (None: the model's default; engine.stages.SampleSettings has the meaning of each)
+    audio_guidance: float | None = None
+    stg_scale: float | None = None
+    modality_scale: float | None = None
+    guidance_rescale: float | None = None
+    frame_rate: float | None = None
+    sigmas: str | None = None
+    upsampler: str | None = None  # the spatial latent upsampler's folder (default: the model's latent_upsampler/)
+
+    LTX2_SETTINGS = ("audio_guidance", "stg_scale", "modality_scale", "guidance_rescale", "frame_rate", "sigmas")
 
     def lora_specs(self) -> tuple[tuple, tuple]:
         from ..engine.lora import parse_lora
@@ -85,8 +95,9 @@ def open_model(req: GenerateRequest, runtime=None):
     """The family for ``req.model`` (a diffusers folder) or for ``req``'s single files, as the registry picks it."""
     from ..families import registry
 
+    extra = {"upsampler": req.upsampler} if req.upsampler else {}
     return registry.open_model(req.model, req.files, dtype=req.dtype, runtime=runtime, mesh=req.mesh,
-                               attention=req.attention_config(), fsdp=req.fsdp, vae_sharding=req.vae_sharding)
+                               attention=req.attention_config(), fsdp=req.fsdp, vae_sharding=req.vae_sharding, **extra)
 
 
 def check_request_numbers(req: GenerateRequest) -> None:
@@ -102,6 +113,7 @@ def check_request_numbers(req: GenerateRequest) -> None:
     check_number("--guidance-2", req.guidance_2, minimum=0.0, optional=True)
     check_number("--shift", req.shift, above=0.0, optional=True)
     check_number("--boundary", req.boundary, above=0.0, below=1.0, optional=True)
+    check_number("--frame-rate", req.frame_rate, above=0.0, optional=True)
 
 
 def _stage_size(req: GenerateRequest, family, out: Path) -> tuple[int, int, int]:
@@ -137,7 +149,7 @@ def generate(req: GenerateRequest, family=None) -> dict:
     from ..engine.stages import SampleSettings
     from ..errors import InputError
     from . import stage_files as sf
-    from .video import write_mp4
+    from .video import write_mp4, write_wav
 
     if req.stage not in STAGES:
         raise InputError(f"--stage must be one of {STAGES}, got {req.stage!r}")
@@ -151,12 +163,16 @@ def generate(req: GenerateRequest, family=None) -> dict:
     check_request_numbers(req)  # a value given is a value used: zero or negative is refused, never replaced
     height, width, frames = _stage_size(req, family, out)
     family.validate(height, width, frames)
-    fps = family.default_fps() if req.fps is None else req.fps
+    fps = req.fps if req.fps is not None else round(req.frame_rate) if req.frame_rate else None
+    if fps is None and req.stage == "decode":  # the rate the earlier stages recorded (LTX-2's --frame-rate)
+        fps = sf.recorded(out, "fps")
+    fps = fps or family.default_fps()
     guidance = req.guidance if req.guidance is not None else family.DEFAULT_GUIDANCE
     loras, loras_2 = req.lora_specs()
     cache = req.step_cache()
     settings = SampleSettings(height, width, frames, req.steps, guidance, req.seed, req.scheduler, req.dynamic_cfg,
-                              req.shift, req.guidance_2, req.boundary, loras=loras, loras_2=loras_2, cache=cache)
+                              req.shift, req.guidance_2, req.boundary, loras=loras, loras_2=loras_2, cache=cache,
+                              **{name: getattr(req, name) for name in req.LTX2_SETTINGS})
     if cache is not None and req.stage not in ("all", "sample"):
         raise InputError(f"--cache applies to sampling: use it with --stage all or --stage sample, not {req.stage}")
     if req.stage in ("all", "sample"):
@@ -203,7 +219,8 @@ def generate(req: GenerateRequest, family=None) -> dict:
         sf.save_latents(out, latents)
         config.update(steps=req.steps, guidance=guidance, seed=req.seed, scheduler=req.scheduler or "model default",
                       **{k: v for k, v in (("dynamic_cfg", req.dynamic_cfg), ("shift", req.shift),
-                                           ("guidance_2", req.guidance_2), ("boundary", req.boundary)) if v})
+                                           ("guidance_2", req.guidance_2), ("boundary", req.boundary)) if v},
+                      **{name: getattr(req, name) for name in req.LTX2_SETTINGS if getattr(req, name) is not None})
         for name, specs in (("loras", loras), ("loras_2", loras_2)):
             if specs:
                 config[name] = [{"path": str(spec.path), "strength": spec.strength} for spec in specs]
@@ -215,7 +232,13 @@ def generate(req: GenerateRequest, family=None) -> dict:
             latents = sf.load_latents(out)
         frames_tensor = family.decode(latents, tiling=req.vae_tiling, group_norm=req.group_norm)
         sf.save_frames(out, frames_tensor)
-        write_mp4(frames_tensor, out / sf.VIDEO_FILE, fps=fps)
+        audio = None
+        if latents.audio is not None:  # a sound track (LTX-2): a WAV beside the mp4, and in it
+            audio = write_wav(family.decode_audio(latents), out / sf.AUDIO_FILE, family.sample_rate)
+            config.update(sample_rate=family.sample_rate)
+        else:
+            (out / sf.AUDIO_FILE).unlink(missing_ok=True)  # an earlier run's sound is not this video's
+        write_mp4(frames_tensor, out / sf.VIDEO_FILE, fps=fps, audio=audio)
         config.update(vae_tiling=req.vae_tiling, group_norm=req.group_norm)
 
     t = family.timings

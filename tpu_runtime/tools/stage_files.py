@@ -1,8 +1,10 @@
 """The files between stages, so any stage can be retried alone.
 
-``stage1_embeddings.safetensors``  prompt_embeds, negative_prompt_embeds ``[1, L, D]``
+``stage1_embeddings.safetensors``  prompt_embeds, negative_prompt_embeds ``[1, L, D]`` (and a sound track's
+                                   audio_prompt_embeds, negative_audio_prompt_embeds)
 ``stage1_image.safetensors``       image-to-video: the image encode stage's output (``ImageConditioning``)
-``stage2_latents.safetensors``     latents ``[B, C, T, H/8, W/8]`` float32 (before VAE scaling)
+``stage2_latents.safetensors``     latents ``[B, C, T, H/8, W/8]`` float32 (before VAE scaling; and a sound
+                                   track's audio latents ``[B, C, L, M]``)
 ``frames.safetensors``             frames ``[F, H, W, 3]`` float32 in 0..1
 ``generation_config.json``         the settings, the model and the per-stage timings
 
@@ -27,6 +29,8 @@ LATENTS_FILE = "stage2_latents.safetensors"
 FRAMES_FILE = "frames.safetensors"
 CONFIG_FILE = "generation_config.json"
 VIDEO_FILE = "output_video.mp4"
+AUDIO_FILE = "output_audio.wav"
+AUDIO_EMBEDDINGS = ("audio_prompt_embeds", "negative_audio_prompt_embeds")
 
 
 def save_embeddings(directory: Path, emb: TextEmbeddings, size: tuple[int, int, int] | None = None) -> Path:
@@ -36,10 +40,11 @@ def save_embeddings(directory: Path, emb: TextEmbeddings, size: tuple[int, int, 
     metadata = {"model_signature": emb.model_signature, "prompt": emb.prompt, "negative_prompt": emb.negative_prompt}
     if size is not None:
         metadata.update(height=str(size[0]), width=str(size[1]), num_frames=str(size[2]))
-    save_file(
-        {"prompt_embeds": emb.prompt_embeds.contiguous(), "negative_prompt_embeds": emb.negative_prompt_embeds.contiguous()},
-        str(path), metadata=metadata,
-    )
+    tensors = {"prompt_embeds": emb.prompt_embeds.contiguous(),
+               "negative_prompt_embeds": emb.negative_prompt_embeds.contiguous()}
+    tensors.update({name: getattr(emb, name).contiguous() for name in AUDIO_EMBEDDINGS
+                    if getattr(emb, name) is not None})
+    save_file(tensors, str(path), metadata=metadata)
     return path
 
 
@@ -79,6 +84,7 @@ def load_embeddings(directory: Path) -> TextEmbeddings:
         return TextEmbeddings(
             f.get_tensor("prompt_embeds"), f.get_tensor("negative_prompt_embeds"),
             meta.get("prompt", ""), meta.get("negative_prompt", ""), meta["model_signature"],
+            **{name: f.get_tensor(name) for name in AUDIO_EMBEDDINGS if name in keys},
         )
 
 
@@ -120,8 +126,11 @@ def has_image(directory: Path) -> bool:
 
 def save_latents(directory: Path, lat: VideoLatents) -> Path:
     path = Path(directory) / LATENTS_FILE
+    tensors = {"latents": lat.latents.float().contiguous()}
+    if lat.audio is not None:
+        tensors["audio"] = lat.audio.float().contiguous()
     save_file(
-        {"latents": lat.latents.float().contiguous()},
+        tensors,
         str(path),
         metadata={
             "model_signature": lat.model_signature, "height": str(lat.height), "width": str(lat.width),
@@ -135,11 +144,12 @@ def load_latents(directory: Path) -> VideoLatents:
     path = Path(directory) / LATENTS_FILE
     with _open(path, "latents", "--stage sample") as f:
         meta = f.metadata() or {}
-        if "latents" not in set(f.keys()) or not {"model_signature", "height", "width", "num_frames"} <= set(meta):
+        keys = set(f.keys())
+        if "latents" not in keys or not {"model_signature", "height", "width", "num_frames"} <= set(meta):
             raise StageFileError(f"{path} is not a stage-2 latents file of this tool: re-run --stage sample")
         return VideoLatents(
             f.get_tensor("latents"), int(meta["height"]), int(meta["width"]), int(meta["num_frames"]),
-            meta["model_signature"],
+            meta["model_signature"], audio=f.get_tensor("audio") if "audio" in keys else None,
         )
 
 
@@ -152,6 +162,15 @@ def save_frames(directory: Path, frames: torch.Tensor) -> Path:
 def load_frames(directory: Path) -> torch.Tensor:
     with _open(Path(directory) / FRAMES_FILE, "frames", "--stage decode") as f:
         return f.get_tensor("frames")
+
+
+def recorded(directory: Path, key: str):
+    """A value ``generation_config.json`` in ``directory`` holds (None: no file, or not in it)."""
+    path = Path(directory) / CONFIG_FILE
+    try:
+        return json.loads(path.read_text()).get(key) if path.is_file() else None
+    except (ValueError, AttributeError):
+        return None
 
 
 def update_config(directory: Path, **values) -> dict:

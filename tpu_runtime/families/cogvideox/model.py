@@ -81,6 +81,7 @@ class CogVideoXFamily(CogVideoXPrograms, ModelFamily):
     # diffusers' CogVideoXTransformer3DModel.transformer_blocks take and return the video and the text tokens;
     # MagCache's residual covers the video tokens (the text tokens pass through: nothing reads them after the
     # blocks). The pipelines call CFG's two passes as one batch ("cond_uncond"): one cache state.
+    OWN_SETTINGS = frozenset({"dynamic_cfg"})
     STEP_CACHE_BLOCKS = BlockSpec("transformer_blocks", streams=("hidden_states", "encoder_hidden_states"),
                                   mag_streams=("hidden_states",))
     CFG_CONTEXTS = "batch"

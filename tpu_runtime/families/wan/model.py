@@ -102,6 +102,7 @@ class WanFamily(WanPrograms, ModelFamily):
     DEFAULT_GUIDANCE = DEFAULT_GUIDANCE
     RULES = RULES
     # diffusers' WanTransformer3DModel.blocks; the pipelines call CFG's two passes apart ("cond", "uncond")
+    OWN_SETTINGS = frozenset({"shift", "guidance_2", "boundary"})
     STEP_CACHE_BLOCKS = BlockSpec("blocks")
     CFG_CONTEXTS = "halves"
 

@@ -1,0 +1,246 @@
+"""LTX-2: frames and sound equal diffusers' LTX2Pipeline / LTX2ImageToVideoPipeline and its two-stage recipe on the
+same tiny weights, prompt, image and seed; every guidance knob moves the output as it moves diffusers'; scales,
+seeds and prompts compile nothing; what the model cannot take is refused before anything compiles."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import LTX2_SIZE, NEGATIVE, PROMPT
+from oracle import ltx2_outputs, ltx2_two_stages
+
+from tpu_runtime.engine.runtime import compile_stats
+from tpu_runtime.engine.stages import SampleSettings
+from tpu_runtime.errors import InputError
+
+H, W, F = LTX2_SIZE
+STEPS = 3
+# The tiny transformers have 2 blocks; STG perturbs block 1 (diffusers' default, block 28, is past their end).
+STG = (1,)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_ltx2):
+    from tpu_runtime.families.ltx2.model import LTX2Family
+
+    return {g: LTX2Family(path, dtype="float32") for g, path in tiny_ltx2.items()}
+
+
+@pytest.fixture(scope="module")
+def embeddings(models):
+    return {g: m.encode(PROMPT, NEGATIVE) for g, m in models.items()}
+
+
+def _settings(**overrides):
+    values = dict(height=H, width=W, num_frames=F, steps=STEPS, guidance=3.0, seed=7, stg_blocks=STG)
+    values.update(overrides)
+    return SampleSettings(**values)
+
+
+def _diffusers_call(s: SampleSettings) -> dict:
+    """The diffusers arguments of settings ``s`` (ours left unset: diffusers' defaults, which are ours too)."""
+    call = dict(prompt=PROMPT, negative_prompt=NEGATIVE, height=s.height, width=s.width, num_frames=s.num_frames,
+                num_inference_steps=s.steps, guidance_scale=s.guidance,
+                spatio_temporal_guidance_blocks=list(s.stg_blocks))
+    for ours, theirs in (("audio_guidance", "audio_guidance_scale"), ("stg_scale", "stg_scale"),
+                         ("modality_scale", "modality_scale"), ("guidance_rescale", "guidance_rescale"),
+                         ("frame_rate", "frame_rate")):
+        value = getattr(s, ours)
+        if value is not None:
+            call[theirs] = value
+            # one knob of ours sets both of diffusers' (video and sound); audio guidance is diffusers' own
+            if ours in ("stg_scale", "modality_scale", "guidance_rescale"):
+                call[f"audio_{theirs}"] = value
+    if s.sigmas == "distilled":
+        from diffusers.pipelines.ltx2.utils import DISTILLED_SIGMA_VALUES
+
+        call["sigmas"] = DISTILLED_SIGMA_VALUES
+    return call
+
+
+def _close(ours, theirs, what, atol=1e-4):
+    theirs = torch.as_tensor(np.asarray(theirs)).float()
+    assert tuple(ours.shape) == tuple(theirs.shape), (what, tuple(ours.shape), tuple(theirs.shape))
+    difference = (ours.float() - theirs).abs().max().item()
+    print(what, "max |ours - diffusers|", difference)
+    assert difference < atol, (what, difference)
+
+
+@pytest.mark.parametrize("generation", ["2.0", "2.3"])
+def test_text_to_video_with_sound_matches_diffusers(models, embeddings, tiny_ltx2, generation):
+    """Default guidance (CFG, STG, modality isolation, rescale): 2.3 perturbs its attention for STG, 2.0 has no
+    perturbed attention (its STG pass equals the positive one and is not run here; diffusers still runs it)."""
+    family, s = models[generation], _settings()
+    latents = family.sample(embeddings[generation], s)
+    frames, waveform = family.decode(latents), family.decode_audio(latents)
+    want_frames, want_audio = ltx2_outputs(tiny_ltx2[generation], s.seed, **_diffusers_call(s))
+    _close(frames, want_frames, f"LTX-{generation} frames")
+    _close(waveform, want_audio, f"LTX-{generation} waveform")
+    assert waveform.shape[0] == 2 and waveform.abs().max() > 1e-3  # stereo, not silence
+    expected_passes = 3 if generation == "2.3" else 2
+    assert family.guidance(s)[0].count == expected_passes
+
+
+def test_single_pass_distilled_schedule_matches_diffusers(models, embeddings, tiny_ltx2):
+    """The distilled settings: one transformer pass a step (--guidance 1 --audio-guidance 1 --stg-scale 0
+    --modality-scale 1) over the distilled model's 8 sigmas."""
+    family = models["2.0"]
+    s = _settings(steps=8, guidance=1.0, audio_guidance=1.0, stg_scale=0.0, modality_scale=1.0, sigmas="distilled")
+    assert family.guidance(s)[0].count == 1 and not family.guidance(s)[0].cfg
+    latents = family.sample(embeddings["2.0"], s)
+    want_frames, want_audio = ltx2_outputs(tiny_ltx2["2.0"], s.seed, **_diffusers_call(s))
+    _close(family.decode(latents), want_frames, "distilled frames")
+    _close(family.decode_audio(latents), want_audio, "distilled waveform")
+
+
+KNOBS = {"guidance": 1.5, "audio_guidance": 2.0, "stg_scale": 0.5, "modality_scale": 1.5, "guidance_rescale": 0.0,
+         "frame_rate": 12.0}
+
+
+def test_each_knob_moves_the_output_as_it_moves_diffusers(models, embeddings, tiny_ltx2):
+    """Every guidance knob, and the frame rate (the positions), changes the video and the sound latents exactly as
+    it changes diffusers'; a new scale with the same passes compiles nothing."""
+    family, emb = models["2.3"], embeddings["2.3"]
+    base = family.sample(emb, _settings())
+    for name, value in KNOBS.items():
+        s = _settings(**{name: value})
+        before = compile_stats()
+        ours = family.sample(emb, s)
+        if family.guidance(s)[0] == family.guidance(_settings())[0] and name != "frame_rate":
+            assert compile_stats().since(before).xla_compiles == 0, name
+        video, audio = ltx2_outputs(tiny_ltx2["2.3"], s.seed, output_type="latent", **_diffusers_call(s))
+        _close(ours.latents, video, f"{name}={value} video latents")
+        _close(ours.audio, audio, f"{name}={value} sound latents")
+        moved_video = (ours.latents - base.latents).abs().max().item()
+        if name == "frame_rate":  # the same frames last longer: more sound
+            assert ours.audio.shape[2] > base.audio.shape[2]
+            assert moved_video > 5e-4, (name, moved_video)
+            continue
+        moved_audio = (ours.audio - base.audio).abs().max().item()
+        # well past the 1e-4 the outputs agree to: a dropped pass or an ignored scale cannot pass
+        assert moved_audio > 5e-4, (name, moved_audio)
+        if name != "audio_guidance":
+            assert moved_video > 5e-4, (name, moved_video)
+
+
+def test_image_to_video_matches_diffusers(models, embeddings, tiny_ltx2, images):
+    """The picture through the same H.264 round trip and resize, its latent frame held; frames and sound equal."""
+    family, s = models["2.0"], _settings()
+    image = family.encode_image(images["first"], height=H, width=W, num_frames=F)
+    latents = family.sample(embeddings["2.0"], s, image=image)
+    want_frames, want_audio = ltx2_outputs(tiny_ltx2["2.0"], s.seed, image=images["first"], **_diffusers_call(s))
+    _close(family.decode(latents), want_frames, "image-to-video frames")
+    _close(family.decode_audio(latents), want_audio, "image-to-video waveform")
+    other = family.sample(embeddings["2.0"], s, image=family.encode_image(images["other"], height=H, width=W,
+                                                                          num_frames=F))
+    assert (other.latents - latents.latents).abs().max() > 1e-2  # the picture steers the video
+
+
+def test_two_stages_match_diffusers_chained(models, embeddings, tiny_ltx2):
+    """Half size, the latent upsampler (x2), three refine steps with the second stage's distilled sigmas from the
+    upsampled latents and fresh noise: diffusers' pipelines chained the same way."""
+    family = models["2.0"]
+    half = _settings(height=H, width=W)
+    first = family.sample(embeddings["2.0"], half)
+    upsampled = family.upsample(first)
+    assert upsampled.latents.shape[3:] == (first.latents.shape[3] * 2, first.latents.shape[4] * 2)
+    assert (upsampled.height, upsampled.width) == (2 * H, 2 * W) and upsampled.audio is first.audio
+    refine = _settings(height=2 * H, width=2 * W, steps=3, guidance=1.0, sigmas="stage2")
+    final = family.sample(embeddings["2.0"], refine, latents=upsampled)
+    want_frames, want_audio = ltx2_two_stages(tiny_ltx2["2.0"], half.seed, PROMPT, NEGATIVE, H, W, F, STEPS,
+                                              stage_1={"spatio_temporal_guidance_blocks": list(STG)},
+                                              stage_2={"spatio_temporal_guidance_blocks": list(STG),
+                                                       "guidance_scale": 1.0})
+    _close(family.decode(final), want_frames, "two-stage frames")
+    _close(family.decode_audio(final), want_audio, "two-stage waveform")
+
+
+def test_seed_prompt_and_steps_compile_nothing_new(models, embeddings):
+    family = models["2.0"]
+    family.sample(embeddings["2.0"], _settings(steps=3))
+    before = compile_stats()
+    other = family.encode("a cat walks on the grass", "")
+    family.sample(other, _settings(steps=6, seed=11))
+    family.sample(embeddings["2.0"], _settings(steps=3, guidance=4.5, audio_guidance=5.0, stg_scale=2.0,
+                                               modality_scale=2.0, guidance_rescale=0.3))
+    assert compile_stats().since(before).xla_compiles == 0
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"height": 80}, "height=80 must be a positive multiple of 32"),
+    ({"num_frames": 20}, "frames=20 must be 8*N+1 for LTX-2 (e.g. 17 or 121"),
+    ({"steps": 5, "sigmas": "distilled"}, "the distilled sigma schedule has 8 steps"),
+    ({"stg_blocks": (5,)}, "stg_blocks=[5]: this transformer has blocks 0..1"),
+    ({"shift": 3.0}, "shift=3.0 is an option of Wan models"),
+    ({"scheduler": "unipc"}, "LTX-2 samples with flow-matching Euler only"),
+    ({"audio_guidance": 0.0}, "audio_guidance=0.0 must be a number above 0.0"),
+    ({"noise_scale": 0.5}, "noise_scale applies when sampling starts from given latents"),
+])
+def test_what_ltx2_cannot_take_is_refused_before_anything_compiles(models, embeddings, change, needle):
+    family = models["2.0"]
+    before = compile_stats()
+    with pytest.raises(InputError) as refused:
+        family.sample(embeddings["2.0"], _settings(**change))
+    assert needle in str(refused.value)
+    assert compile_stats().since(before).xla_compiles == 0
+
+
+def test_ltx2_options_on_another_family_are_refused(tiny_wan):
+    from tpu_runtime.families.wan.model import WanFamily
+
+    wan = WanFamily(tiny_wan["2.1"], dtype="float32")
+    embeds = wan.encode(PROMPT)
+    before = compile_stats()
+    for name, value in (("audio_guidance", 2.0), ("stg_scale", 1.0), ("frame_rate", 24.0), ("sigmas", "distilled")):
+        with pytest.raises(InputError, match=f"{name}=.* is an option of LTX-2 models"):
+            wan.sample(embeds, SampleSettings(64, 64, 9, steps=2, **{name: value}))
+    assert compile_stats().since(before).xla_compiles == 0
+
+
+def test_command_line_stages_write_video_with_its_sound(tiny_ltx2, models, embeddings, tmp_path):
+    """`generate` on an LTX-2 folder: the three stages run one at a time give what stage all gives; the sound is
+    written as a WAV (the waveform to 16-bit precision) and muxed into the mp4 as AAC; the LTX-2 options reach the
+    sampler (diffusers' sound latents for the same settings) and are recorded."""
+    import json
+    import wave
+
+    from tpu_runtime.tools.cli import main
+    from tpu_runtime.tools.stage_files import load_latents
+    from tpu_runtime.tools.video import read_mp4
+
+    folder = str(tiny_ltx2["2.0"])
+    common = ["--model", folder, "--height", str(H), "--width", str(W), "--frames", str(F), "--steps", "3",
+              "--seed", "7", "--dtype", "float32", "--negative-prompt", NEGATIVE, "--audio-guidance", "2.5",
+              "--stg-scale", "0", "--frame-rate", "12"]
+    whole, staged = tmp_path / "all", tmp_path / "staged"
+    assert main(["generate", *common, "--prompt", PROMPT, "--output-dir", str(whole)]) == 0
+    assert main(["generate", *common, "--prompt", PROMPT, "--stage", "encode", "--output-dir", str(staged)]) == 0
+    assert main(["generate", *common, "--stage", "sample", "--output-dir", str(staged)]) == 0
+    # decode alone: the size from the latents, the mp4's rate from what the earlier stages recorded
+    assert main(["generate", "--model", folder, "--dtype", "float32", "--stage", "decode",
+                 "--output-dir", str(staged)]) == 0
+    a, b = load_latents(whole), load_latents(staged)
+    assert torch.equal(a.latents, b.latents) and torch.equal(a.audio, b.audio)
+    s = _settings(audio_guidance=2.5, stg_scale=0.0, frame_rate=12.0)
+    video, audio = ltx2_outputs(tiny_ltx2["2.0"], s.seed, output_type="latent", **_diffusers_call(s))
+    _close(a.audio, audio, "command-line sound latents")
+    waveform = models["2.0"].decode_audio(a)
+    for out in (whole, staged):
+        with wave.open(str(out / "output_audio.wav")) as f:
+            assert (f.getnchannels(), f.getframerate()) == (waveform.shape[0], models["2.0"].sample_rate)
+            pcm = np.frombuffer(f.readframes(f.getnframes()), dtype="<i2").reshape(-1, f.getnchannels()).T
+        assert np.abs(pcm / 32767 - waveform.clamp(-1, 1).numpy()).max() < 1.5 / 32767
+        frames, meta = read_mp4(out / "output_video.mp4")
+        assert frames.shape == (F, H, W, 3) and meta["audio_codec"] == "aac" and meta["fps"] == 12.0
+    config = json.loads((whole / "generation_config.json").read_text())
+    assert (config["audio_guidance"], config["stg_scale"], config["frame_rate"]) == (2.5, 0.0, 12.0)
+
+
+def test_ltx2_command_line_options_elsewhere_are_refused(tiny_wan, tmp_path, capsys):
+    from tpu_runtime.tools.cli import main
+
+    base = ["generate", "--model", str(tiny_wan["2.1"]), "--prompt", PROMPT, "--height", "64", "--width", "64",
+            "--frames", "9", "--steps", "2", "--output-dir", str(tmp_path)]
+    assert main(base + ["--stg-scale", "1"]) == 2
+    assert "stg_scale=1.0 is an option of LTX-2 models" in capsys.readouterr().err
+    assert main(base + ["--upsampler", str(tmp_path)]) == 2
+    assert "--upsampler: not an option of Wan models" in capsys.readouterr().err

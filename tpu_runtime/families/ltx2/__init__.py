@@ -1,0 +1,79 @@
+"""LTX-2 (Lightricks; 2.0 and 2.3, dev and distilled): text and image to video with its sound track, in one stage
+or two (half size, the spatial latent upsampler, a short refine at full size), from diffusers folders.
+
+``model.py`` recognises and loads a model and runs the stages; ``programs.py`` builds the stage programs (Gemma 3
+and the text connectors, the image encode, one denoising step with every guidance pass, the video and the sound
+decode, the upsampler); ``schedule.py`` computes the sigmas, the sound's length and the token positions as
+diffusers does; ``rules.py`` places the weights on a mesh; ``tiny.py`` builds tiny random-weight models. This file declares the family to the registry.
+"""
+
+from __future__ import annotations
+
+from ..spec import Demo, FamilySpec, NodeSpec, SamplerNode
+
+
+def _sampler_settings(inputs: dict) -> dict:
+    """The LTX-2 sampler's own inputs; -1 (audio_guidance) and "model default" mean the model's own value."""
+    audio_guidance = inputs.get("audio_guidance", -1.0)
+    sigmas = inputs.get("sigmas", "default")
+    return {"audio_guidance": audio_guidance if audio_guidance >= 0 else None,
+            "stg_scale": inputs.get("stg_scale"), "modality_scale": inputs.get("modality_scale"),
+            "guidance_rescale": inputs.get("guidance_rescale"), "frame_rate": inputs.get("frame_rate"),
+            "sigmas": None if sigmas == "default" else sigmas}
+
+
+SPEC = FamilySpec(
+    name="ltx2",
+    display_name="LTX-2",
+    package=__name__,
+    family_class="model:LTX2Family",
+    pipelines=("LTX2Pipeline", "LTX2ImageToVideoPipeline"),
+    pipeline_prefix="LTX2",
+    unsupported="this pack runs LTX2Pipeline and LTX2ImageToVideoPipeline models (Lightricks/LTX-2, LTX-2.3)",
+    example_repo="Lightricks/LTX-2",
+    folder_names=("diffusers",),
+    demos={"ltx2": Demo("tiny:build_tiny_ltx2", ("2.0",), 64, 96, 17),
+           "ltx2.3": Demo("tiny:build_tiny_ltx2", ("2.3",), 64, 96, 17)},
+    nodes=NodeSpec(
+        prefix="TPULTX2",
+        title="LTX-2",
+        category="TPU video/LTX-2",
+        type_prefix="TPU_LTX2",
+        loader_description="Loads an LTX-2 model (video with sound: LTX-2, LTX-2.3, dev or distilled) from a "
+                           "diffusers folder for the TPU/JAX runtime.",
+        loader_tooltip="diffusers LTX-2 folders (model_index.json) in models/diffusers",
+        text_encode_doc="Gemma 3 and the text connectors: the video and the sound prompt streams (1024 tokens).",
+        image_encode_doc="Image to video: the first frame through the H.264 round trip LTX-2 was trained with, "
+                         "VAE-encoded on the devices.",
+        sampler_doc="Denoise the video and its sound together: every guidance pass of a step in one compiled "
+                    "program per shape; new scales, seeds and prompts compile nothing.",
+        decode_doc="Decode to an IMAGE batch and ComfyUI's AUDIO, for CreateVideo / SaveVideo with sound.",
+        sampler=SamplerNode(
+            width=768, height=512, frames=121, frames_tip="8N+1 (121 native: 5 s at 24 fps)", guidance=3.0,
+            schedulers=(),
+            required={
+                "audio_guidance": ("FLOAT", {"default": 7.0, "min": 0.0, "max": 30.0, "step": 0.1,
+                                             "tooltip": "CFG scale of the sound"}),
+                "stg_scale": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 10.0, "step": 0.1,
+                                        "tooltip": "spatio-temporal guidance (video and sound); 0 turns it off"}),
+                "modality_scale": ("FLOAT", {"default": 3.0, "min": 0.0, "max": 10.0, "step": 0.1,
+                                             "tooltip": "modality-isolation guidance; 1 turns it off"}),
+                "guidance_rescale": ("FLOAT", {"default": 0.7, "min": 0.0, "max": 1.0, "step": 0.05,
+                                               "tooltip": "rescale of the guided prediction; 0 turns it off"}),
+                "frame_rate": ("FLOAT", {"default": 24.0, "min": 1.0, "max": 120.0, "step": 1.0,
+                                         "tooltip": "frames per second the video is made for (and played at)"}),
+                "sigmas": (["default", "distilled", "stage2"], {
+                    "default": "default", "tooltip": "default: the model's schedule; distilled: the distilled "
+                    "model's 8 steps; stage2: the refine stage's 3 steps"}),
+            },
+            settings=_sampler_settings, steps=30, refine=True),
+        image_size=(768, 512, 121),
+        image_frames_tip="the sampler's frames: 8N+1 (121)",
+        audio=True,
+        upsample_doc="Two-stage generation: the video latents at twice the width and height (the spatial latent "
+                     "upsampler), the sound's as they are; feed them to a second sampler (sigmas stage2) to refine.",
+        loader_optional={"upsampler": ("STRING", {
+            "default": "", "tooltip": "the spatial latent upsampler's diffusers folder (two-stage generation); "
+            "empty: the model folder's latent_upsampler/"})},
+    ),
+)

@@ -1,0 +1,303 @@
+"""LTX-2's stage programs: Gemma 3 and the text connectors, the image encode, one denoising step with every guidance
+pass, the video decode, the sound decode (audio VAE and vocoder) and the spatial latent upsampler; and the module
+replacement they are traced with.
+
+``LTX2Programs`` is mixed into ``LTX2Family`` (``model.py``): each method builds ``StageProgram``s from the loaded
+(or, for ``plan``, abstract) components; the family compiles and runs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from ...engine.stages import StageProgram
+from ...engine.streaming import to_frames
+
+TEXT_LEN = 1024  # diffusers' LTX2Pipeline max_sequence_length
+
+# The guidance coefficients a step program takes as one float32 input (so a new scale compiles nothing), computed in
+# float64 on the host as diffusers computes them from Python floats: (g - 1), s, (m - 1) and the rescale r, (1 - r),
+# for the video and for the sound.
+COEFFICIENTS = ("cfg", "audio_cfg", "stg", "audio_stg", "modality", "audio_modality", "rescale", "rescale_keep",
+                "audio_rescale", "audio_rescale_keep")
+
+
+@dataclass(frozen=True)
+class Passes:
+    """The transformer passes one step runs (fixed per program): the CFG batch [negative, positive] or the positive
+    prompt alone, the spatio-temporal guidance pass (self-attention perturbed in ``stg_blocks``) and the
+    modality-isolation pass (audio<->video cross-attention off)."""
+
+    cfg: bool
+    stg_blocks: tuple[int, ...] = ()  # empty: no STG pass
+    modality: bool = False
+
+    @property
+    def count(self) -> int:
+        return 1 + bool(self.stg_blocks) + self.modality
+
+    def describe(self) -> str:
+        names = ["CFG batch 2" if self.cfg else "positive prompt"]
+        if self.stg_blocks:
+            names.append(f"STG at block{'s' if len(self.stg_blocks) > 1 else ''} "
+                         f"{','.join(map(str, self.stg_blocks))}")
+        if self.modality:
+            names.append("modality isolation")
+        return " + ".join(names)
+
+
+class LTX2Programs:
+    """The stage programs of an LTX-2 model (mixed into ``LTX2Family``)."""
+
+    # --- stage 1: text -------------------------------------------------------------------------------------------
+    def encode_program(self) -> StageProgram:
+        """Gemma 3 over ``[negative, positive]`` (left-padded to 1024 tokens, every layer's hidden states stacked as
+        diffusers packs them), then the text connectors: the video and the sound prompt streams."""
+        gemma = self._component("text_encoder")
+        connectors = self._component("connectors")
+
+        def stacked(module, ids, mask):
+            out = module(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+            return torch.stack(out.hidden_states, dim=-1).flatten(2, 3)
+
+        gemma_fn = self.runtime.module_function(gemma, stacked)
+        connectors_fn = self.runtime.module_function(
+            connectors, lambda module, hidden, mask: module(hidden, mask, padding_side="left")[:2])
+        dtype = self.model_dtype()
+
+        def encode_fn(states, ids, mask):
+            hidden = gemma_fn(states["text_encoder"], ids, mask).astype(dtype)
+            return connectors_fn(states["connectors"], hidden, mask)
+
+        shape = (2, TEXT_LEN)
+        states = {"text_encoder": self._states["text_encoder"], "connectors": self._states["connectors"]}
+        example = (states, self.arg(shape, torch.int32), self.arg(shape, torch.int32))
+        return StageProgram("encode", encode_fn, example, shape, f"Gemma 3 and the text connectors for {TEXT_LEN} "
+                            "tokens", self.traced(_functional_rope), ("text_encoder", "connectors"))
+
+    # --- image to video --------------------------------------------------------------------------------------------
+    def image_program(self, height: int, width: int) -> StageProgram:
+        """The first frame ``[1, 3, 1, H, W]`` through the video VAE's encoder: its posterior's mode, normalised by the
+        latent statistics without the scaling factor (as diffusers' image-to-video pipeline does)."""
+        import jax.numpy as jnp
+
+        vae = self._component("vae")
+        encode = self.runtime.module_function(vae, lambda module, pixels: module.encode(pixels).latent_dist.mode())
+        mean, std = (jnp.asarray(t.view(1, -1, 1, 1, 1).numpy()) for t in self._latent_statistics())
+
+        def image_fn(state, pixels):
+            return (encode(state, pixels).astype(jnp.float32) - mean) * 1.0 / std
+
+        example = (self._states["vae"], self.arg((1, 3, 1, height, width), self.dtype))
+        return StageProgram("image", image_fn, example, (height, width), f"LTX-2 VAE encode of the image for "
+                            f"{width}x{height}", self.traced, ("vae",))
+
+    # --- stage 2: one denoising step ---------------------------------------------------------------------------
+    def sample_program(self, geometry: "Geometry", passes: Passes, image: bool = False) -> StageProgram:
+        """One denoising step of the video and the sound together: the transformer passes of ``passes`` (each a
+        call of the whole model), the guidance terms combined on the x0 predictions and rescaled against the
+        positive one, then Euler steps of both. ``image``: the first latent frame is the image's (timestep 0 on its
+        tokens, never stepped)."""
+        import jax
+        import jax.numpy as jnp
+
+        self._component("transformer")
+        transformer_fn = self.runtime.module_function(self._parts["transformer"])
+        dtype = self.model_dtype()
+        replicated = self.runtime.sharding(self.mesh)
+        batch_sharding = self.runtime.sharding(self.mesh, ("dp",))
+        g = geometry
+        f32 = jnp.float32
+
+        def call(state, hidden, audio_hidden, video_text, audio_text, timestep, video_coords, audio_coords,
+                 keep_mask, isolate=False, stg_blocks=None):
+            video_timestep = timestep[:, None] * (1 - keep_mask) if image else timestep
+            video, audio = transformer_fn(
+                state, hidden_states=hidden.astype(dtype), audio_hidden_states=audio_hidden.astype(dtype),
+                encoder_hidden_states=video_text, audio_encoder_hidden_states=audio_text, timestep=video_timestep,
+                audio_timestep=timestep, sigma=timestep, encoder_attention_mask=None,
+                audio_encoder_attention_mask=None, num_frames=g.frames, height=g.height, width=g.width,
+                audio_num_frames=g.audio_frames, video_coords=video_coords, audio_coords=audio_coords,
+                isolate_modalities=isolate, spatio_temporal_guidance_blocks=list(stg_blocks) if stg_blocks else None,
+                perturbation_mask=None, use_cross_timestep=True, return_dict=False)
+            return video.astype(f32), audio.astype(f32)
+
+        def rescaled(guided, positive, r, keep):
+            """diffusers' rescale_noise_cfg: the guided prediction's std matched to the positive one's."""
+            axes = tuple(range(1, guided.ndim))
+            ratio = jnp.std(positive, axis=axes, keepdims=True, ddof=1) / jnp.std(guided, axis=axes, keepdims=True,
+                                                                                     ddof=1)
+            return jnp.where(r > 0, r * (guided * ratio) + keep * guided, guided)
+
+        def step_fn(state, x, xa, video_text, audio_text, t, sigmas, c, video_coords, audio_coords, keep_mask):
+            sigma, dt = sigmas[0], sigmas[1] - sigmas[0]
+            mask = keep_mask if image else None
+
+            def x0(sample, velocity):
+                return sample - velocity * sigma
+
+            if passes.cfg:
+                batch = jax.lax.with_sharding_constraint(jnp.concatenate([x, x]), batch_sharding)
+                video, audio = call(state, batch, jnp.concatenate([xa, xa]), video_text, audio_text,
+                                    jnp.broadcast_to(t, (2,)), jnp.concatenate([video_coords] * 2),
+                                    jnp.concatenate([audio_coords] * 2), mask)
+                v_uncond, v_cond = jnp.split(video, 2)
+                a_uncond, a_cond = jnp.split(audio, 2)
+                x_video, x_audio = x0(x, v_cond), x0(xa, a_cond)
+                guided_video = x_video + c[0] * (x_video - x0(x, v_uncond))
+                guided_audio = x_audio + c[1] * (x_audio - x0(xa, a_uncond))
+                video_text, audio_text = video_text[1:], audio_text[1:]
+            else:
+                video, audio = call(state, x, xa, video_text, audio_text, t, video_coords, audio_coords, mask)
+                x_video, x_audio = x0(x, video), x0(xa, audio)
+                guided_video, guided_audio = x_video, x_audio
+            if passes.stg_blocks:
+                video, audio = call(state, x, xa, video_text, audio_text, t, video_coords, audio_coords, mask,
+                                    stg_blocks=passes.stg_blocks)
+                guided_video = guided_video + c[2] * (x_video - x0(x, video))
+                guided_audio = guided_audio + c[3] * (x_audio - x0(xa, audio))
+            if passes.modality:
+                video, audio = call(state, x, xa, video_text, audio_text, t, video_coords, audio_coords, mask,
+                                    isolate=True)
+                guided_video = guided_video + c[4] * (x_video - x0(x, video))
+                guided_audio = guided_audio + c[5] * (x_audio - x0(xa, audio))
+            guided_video = rescaled(guided_video, x_video, c[6], c[7])
+            guided_audio = rescaled(guided_audio, x_audio, c[8], c[9])
+            # back to velocities, then diffusers' Euler step: x + (sigma_next - sigma) * v
+            x_next = x + dt * ((x - guided_video) / sigma)
+            if image:  # the image's frame is never stepped
+                x_next = jnp.where(keep_mask[..., None] > 0, x, x_next)
+            xa_next = xa + dt * ((xa - guided_audio) / sigma)
+            return (jax.lax.with_sharding_constraint(x_next, replicated),
+                    jax.lax.with_sharding_constraint(xa_next, replicated))
+
+        arg, f32_t = self.arg, torch.float32
+        batch = 2 if passes.cfg else 1
+        tokens = g.frames * g.height * g.width
+        example = (self._states["transformer"], arg((1, tokens, g.channels), f32_t),
+                   arg((1, g.audio_frames, g.audio_channels), f32_t),
+                   arg((batch, TEXT_LEN, self.video_text_dim), self.dtype, ("dp",) if passes.cfg else ()),
+                   arg((batch, TEXT_LEN, self.audio_text_dim), self.dtype, ("dp",) if passes.cfg else ()),
+                   arg((1,), f32_t), arg((2,), f32_t), arg((len(COEFFICIENTS),), f32_t),
+                   arg((1, 3, tokens, 2), f32_t), arg((1, 1, g.audio_frames, 2), f32_t),
+                   arg((1, tokens), f32_t) if image else None)
+        key = (g, passes, image, self.attention)
+        return StageProgram("sample", step_fn, example, key,
+                            f"LTX-2 sampler step for {g.describe()} ({passes.describe()}, mesh {self.mesh_spec}, "
+                            f"{self.attention.impl} attention)", self.traced(_functional_rope), ("transformer",))
+
+    # --- stage 3: decode -------------------------------------------------------------------------------------------
+    def decode_program(self, z_shape: tuple[int, ...]) -> StageProgram:
+        """Video latents ``[1, C, F, h, w]`` (de-normalised) through the video VAE's decoder (non-causal: the whole
+        video at once, as diffusers decodes it) to frames ``[F', H, W, 3]`` in 0..1."""
+        vae = self._component("vae")
+        timestep_conditioned = bool(self.vae_config.get("timestep_conditioning", False))
+
+        def decode(module, z):
+            # diffusers' default decode_timestep 0 and decode noise 0: the latents unchanged, temb at t = 0
+            timestep = torch.zeros((z.shape[0],), dtype=z.dtype) if timestep_conditioned else None
+            return module.decode(z, timestep, return_dict=False)[0]
+
+        decode_fn = self.runtime.module_function(vae, decode)
+        dtype = self.model_dtype()
+
+        def frames_fn(state, z):
+            return to_frames(decode_fn(state, z.astype(dtype)))
+
+        example = (self._states["vae"], self.arg(z_shape, torch.float32, self._vae_input_spec(z_shape)))
+        frames = (z_shape[2] - 1) * self.vae_scale_temporal + 1
+        what = f"LTX-2 video VAE decode for {frames}x{z_shape[3] * self.vae_scale_spatial}x" \
+               f"{z_shape[4] * self.vae_scale_spatial}"
+        return StageProgram("decode", frames_fn, example, (tuple(z_shape), self.vae_sharding), what, self.traced,
+                            ("vae",))
+
+    def audio_decode_program(self, a_shape: tuple[int, ...]) -> StageProgram:
+        """Sound latents ``[1, C, L, M]`` (de-normalised) through the audio VAE's decoder to a mel spectrogram and the
+        vocoder to the waveform ``[channels, samples]`` float32."""
+        import jax.numpy as jnp
+
+        audio_vae, vocoder = self._component("audio_vae"), self._component("vocoder")
+        mel_fn = self.runtime.module_function(audio_vae, lambda module, z: module.decode(z, return_dict=False)[0])
+        wave_fn = self.runtime.module_function(vocoder)
+        dtype = self.model_dtype()
+
+        def audio_fn(states, z):
+            mel = mel_fn(states["audio_vae"], z.astype(dtype))
+            return wave_fn(states["vocoder"], mel)[0].astype(jnp.float32)
+
+        states = {"audio_vae": self._states["audio_vae"], "vocoder": self._states["vocoder"]}
+        example = (states, self.arg(a_shape, torch.float32))
+        return StageProgram("decode", audio_fn, example, (tuple(a_shape),), f"LTX-2 audio VAE decode and vocoder for "
+                            f"{a_shape[2]} latent audio frames", self.traced, ("audio_vae", "vocoder"), part="audio")
+
+    # --- two stages: the spatial latent upsampler ----------------------------------------------------------------
+    def upsample_program(self, z_shape: tuple[int, ...]) -> StageProgram:
+        """Video latents ``[1, C, F, h, w]`` (de-normalised, as the sampler returns them) through the spatial latent
+        upsampler: ``[1, C, F, 2h, 2w]``, still de-normalised (diffusers' ``LTX2LatentUpsamplePipeline`` with its
+        defaults: no AdaIN, no tone mapping)."""
+        import jax.numpy as jnp
+
+        upsampler = self._component("latent_upsampler")
+        upsample_fn = self.runtime.module_function(upsampler)
+        dtype = self.model_dtype()
+
+        def upsample(state, z):
+            return upsample_fn(state, z.astype(dtype)).astype(jnp.float32)
+
+        example = (self._states["latent_upsampler"], self.arg(z_shape, torch.float32))
+        return StageProgram("upsample", upsample, example, (tuple(z_shape),),
+                            f"LTX-2 spatial latent upsampler for {z_shape[2]}x{z_shape[3]}x{z_shape[4]} latents",
+                            self.traced, ("latent_upsampler",))
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """One generation's latent sizes: video ``frames`` x ``height`` x ``width`` latents of ``channels`` (the
+    transformer's tokens, patch 1), and ``audio_frames`` sound latents of ``audio_channels`` (channels x mel bins,
+    packed)."""
+
+    frames: int
+    height: int
+    width: int
+    channels: int
+    audio_frames: int
+    audio_channels: int
+
+    def describe(self) -> str:
+        return f"{self.frames}x{self.height}x{self.width} video latents and {self.audio_frames} audio latents"
+
+
+def _split_rope(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """diffusers' ``apply_split_rotary_emb`` (the two halves of each head rotated) written without in-place updates:
+    traced through torchax, its ``addcmul_`` on a slice of ``out`` never reached ``out`` (the sine terms were
+    dropped: the transformer and the connectors came out 0.3-0.85 off)."""
+    cos, sin = freqs
+    dtype = x.dtype
+    reshaped = x.ndim != 4 and cos.ndim == 4
+    if reshaped:  # cos is (b, h, t, r): x to (b, h, t, dim per head)
+        b, h, t, _ = cos.shape
+        x = x.reshape(b, t, h, -1).swapaxes(1, 2)
+    half = x.shape[-1] // 2
+    x = x.float()
+    first, second = x[..., :half], x[..., half:]
+    out = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+    if reshaped:
+        out = out.swapaxes(1, 2).reshape(b, t, -1)
+    return out.to(dtype)
+
+
+@contextlib.contextmanager
+def _functional_rope():
+    """While tracing: the LTX-2 attention processors (the transformer's and the connectors') rotate with
+    ``_split_rope``; they look the function up in their module at every call."""
+    from diffusers.models.transformers import transformer_ltx2
+
+    original = transformer_ltx2.apply_split_rotary_emb
+    transformer_ltx2.apply_split_rotary_emb = _split_rope
+    try:
+        yield
+    finally:
+        transformer_ltx2.apply_split_rotary_emb = original
