@@ -244,3 +244,53 @@ def test_ltx2_command_line_options_elsewhere_are_refused(tiny_wan, tmp_path, cap
     assert "stg_scale=1.0 is an option of LTX-2 models" in capsys.readouterr().err
     assert main(base + ["--upsampler", str(tmp_path)]) == 2
     assert "--upsampler: not an option of Wan models" in capsys.readouterr().err
+
+
+# --- plan: the released 19B model compiled for a real TPU slice, no weights ---------------------------------------
+def test_plan_compiles_the_ltx2_step_for_v6e8_with_every_guidance_pass():
+    """LTX-2 19B (one of its 48 blocks, a small video) for v6e-8: the step with CFG and modality isolation is one
+    program of two transformer calls: six splash attentions a block in the CFG call (video and sound self- and
+    text attention, both cross-modal ones), four in the isolated one (the cross-modal ones off); Megatron tensor
+    parallelism gathers no weight; the weights the compiler counts equal the shapes split over the mesh."""
+    from tpu_runtime.tools.plan import ModelSource, open_abstract, parse_topology, plan
+
+    layers = 1
+    report = plan(ModelSource("ltx2-19b"), "v6e-8", height=256, width=384, frames=25, mesh="dp=2,sp=1,tp=4",
+                  stages=("sample",), layers=layers)
+    sample = report.stages["sample"]
+    assert sample.compiled, sample.error
+    assert sample.mosaic_kernels == (6 + 4) * layers
+    assert sample.all_reduces >= 2 * layers and sample.all_gathers == 0
+    topo = parse_topology("v6e-8")
+    family = open_abstract(ModelSource("ltx2-19b"), topo.devices(), _tmp(), mesh="dp=2,sp=1,tp=4", layers=layers)
+    family._component("transformer")
+    mesh = dict(family.mesh.shape)
+    expected = 0
+    for struct in {id(s): s for s in family._states["transformer"].values()}.values():
+        spec = struct.sharding.spec
+        split = int(np.prod([mesh[a] for a in spec if a is not None])) if spec else 1
+        expected += int(np.prod(struct.shape)) * struct.dtype.itemsize // split
+    assert sample.weights_bytes_per_chip == expected
+    assert report.fits
+
+
+def test_plan_says_no_for_ltx2_on_one_chip_in_seconds():
+    """19B transformer and Gemma 3 12B in bfloat16 do not fit a 16 GiB chip: refused from the weights alone, with
+    nothing compiled, and a larger slice suggested."""
+    import time
+
+    from tpu_runtime.tools.plan import GIB, ModelSource, plan
+
+    start = time.perf_counter()
+    report = plan(ModelSource("ltx2-19b"), "v5e-1", stages=("sample",))
+    assert not report.fits and "weights alone" in report.stages["sample"].error
+    assert report.stages["sample"].weights_bytes_per_chip > 30 * GIB  # 19B parameters in bfloat16, with Gemma
+    assert any(s.startswith("a larger slice") for s in report.suggestions), report.suggestions
+    assert time.perf_counter() - start < 120
+
+
+def _tmp():
+    import tempfile
+    from pathlib import Path
+
+    return Path(tempfile.mkdtemp())

@@ -1,16 +1,17 @@
 """Every example workflow fits the node definitions (types registered, widget values valid, links typed), and its
-graph of our nodes runs headlessly on a tiny model of the same generation to frames and an mp4."""
+graph of our nodes runs headlessly on a tiny model of the same generation to frames and an mp4 (with its sound
+track where the model makes one)."""
 
 import json
 import uuid
 
+import numpy as np
 import pytest
 import torch
-import numpy as np
-from conftest import I2V_SIZES, ROOT, SIZES
+from conftest import I2V_SIZES, LTX2_SIZE, ROOT, SIZES
 
 from tpu_runtime.families.wan.tiny import build_tiny_lora, export_comfy_files
-from tpu_runtime.tools.video import read_mp4, write_mp4
+from tpu_runtime.tools.video import read_mp4, write_mp4, write_wav
 
 WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
 GENERATION = {"cogvideox_2b_t2v_tpu.json": "2b", "cogvideox_5b_t2v_tpu.json": "5b",
@@ -21,19 +22,28 @@ GENERATION = {"cogvideox_2b_t2v_tpu.json": "2b", "cogvideox_5b_t2v_tpu.json": "5
               "cogvideox_5b_i2v_tpu.json": "5b-I2V", "cogvideox1.5_5b_i2v_tpu.json": "1.5-I2V",
               "wan2.1_i2v_480p_14B_tpu.json": "wan-2.1-I2V-480P", "wan2.1_i2v_720p_14B_tpu.json": "wan-2.1-I2V-720P",
               "wan2.1_flf2v_720p_14B_tpu.json": "wan-2.1-FLF2V", "wan2.2_i2v_a14b_tpu.json": "wan-2.2-I2V-A14B",
-              "wan2.2_ti2v_5b_i2v_tpu.json": "wan-2.2-TI2V-5B"}
+              "wan2.2_ti2v_5b_i2v_tpu.json": "wan-2.2-TI2V-5B",
+              "ltx2_t2v_two_stage_tpu.json": "ltx-2", "ltx2_i2v_tpu.json": "ltx-2"}
 NATIVE = {"2b": (720, 480, 49), "5b": (720, 480, 49), "1.5": (1360, 768, 81), "wan-2.1-1.3B": (832, 480, 81),
           "wan-2.1-14B": (1280, 720, 81), "wan-2.2-A14B": (1280, 720, 81), "wan-2.2-TI2V-5B": (1280, 704, 121),
           "5b-I2V": (720, 480, 49), "1.5-I2V": (1360, 768, 81), "wan-2.1-I2V-480P": (832, 480, 81),
-          "wan-2.1-I2V-720P": (1280, 720, 81), "wan-2.1-FLF2V": (1280, 720, 81), "wan-2.2-I2V-A14B": (1280, 720, 81)}
+          "wan-2.1-I2V-720P": (1280, 720, 81), "wan-2.1-FLF2V": (1280, 720, 81), "wan-2.2-I2V-A14B": (1280, 720, 81),
+          "ltx-2": (768, 512, 121)}
 TINY_WAN = {"wan-2.1-1.3B": "2.1", "wan-2.1-14B": "2.1", "wan-2.2-A14B": "2.2-A14B", "wan-2.2-TI2V-5B": "2.2-TI2V-5B"}
 # Image-to-video generations: the tiny model of the same kind (conftest's i2v_models) and its size.
 TINY_I2V = {"5b-I2V": "cog-5b", "1.5-I2V": "cog-1.5", "wan-2.1-I2V-480P": "wan-i2v", "wan-2.1-I2V-720P": "wan-i2v",
             "wan-2.1-FLF2V": "wan-flf2v", "wan-2.2-I2V-A14B": "wan-a14b"}
-IMAGE_ENCODERS = ("TPUCogVideoXImageEncode", "TPUWanImageEncode")
+# LTX-2 (video with sound; text or image to video in one model): conftest's tiny_ltx2 of the same generation.
+TINY_LTX2 = {"ltx-2": "2.0"}
+# Workflows that start from a picture with a model that also makes video from text alone.
+IMAGE_WORKFLOWS = ("wan2.2_ti2v_5b_i2v_tpu.json", "ltx2_i2v_tpu.json")
+IMAGE_ENCODERS = ("TPUCogVideoXImageEncode", "TPUWanImageEncode", "TPULTX2ImageEncode")
 STEP_CACHES = ("TPUCogVideoXStepCache", "TPUWanStepCache")
-SAMPLERS = ("TPUCogVideoXSampler", "TPUWanSampler")
-DECODERS = ("TPUCogVideoXDecode", "TPUWanDecode")
+SAMPLERS = ("TPUCogVideoXSampler", "TPUWanSampler", "TPULTX2Sampler")
+UPSAMPLERS = ("TPULTX2Upsample",)
+DECODERS = ("TPUCogVideoXDecode", "TPUWanDecode", "TPULTX2Decode")
+# Sigma schedules of a fixed number of steps (kept in headless runs).
+FIXED_SIGMAS = ("distilled", "stage2")
 
 # ComfyUI core nodes the workflows use, as ComfyUI (comfy_extras/nodes_video.py, nodes.py) defines them.
 CORE_NODES = {
@@ -49,7 +59,8 @@ CORE_NODES = {
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
 # Lists of the user's downloads: any name is valid.
 DYNAMIC_COMBOS = {("TPUCogVideoXLoader", "model"), ("TPUWanLoader", "model"), ("TPUWanLoRA", "lora_name"),
-                  ("TPUCogVideoXLoRA", "lora_name"), ("LoadImage", "image"),
+                  ("TPUCogVideoXLoRA", "lora_name"), ("TPULTX2Loader", "model"), ("TPULTX2LoRA", "lora_name"),
+                  ("LoadImage", "image"),
                   *(("TPUWanModelFilesLoader", n)
                     for n in ("diffusion_model", "diffusion_model_2", "text_encoder", "vae", "clip_vision"))}
 
@@ -122,11 +133,33 @@ def test_workflow_fits_node_definitions(path, node_defs):
         in_spec = {**definition["required"], **definition.get("optional", {})}[target["name"]]
         assert out_type == link_type == in_spec[0] == target["type"], (link_id, out_type, link_type, in_spec)
     gen = GENERATION[path.name]
-    sampler = next(n for n in wf["nodes"] if n["type"] in SAMPLERS)
-    values = widget_values(sampler, node_defs[sampler["type"]])
-    assert (values["width"], values["height"], values["frames"]) == NATIVE[gen]
+    samplers = [n for n in wf["nodes"] if n["type"] in SAMPLERS]
+    values = {n["id"]: widget_values(n, node_defs[n["type"]]) for n in samplers}
+    for sampler in samplers:  # a refining sampler: the Upsample node's latents, at twice its first stage's size
+        refined = _source(wf, sampler, "samples")
+        if refined is None:
+            continue
+        upsample, _ = refined
+        assert upsample["type"] in UPSAMPLERS, upsample["type"]
+        first, _ = _source(wf, upsample, "samples")
+        before, after = values[first["id"]], values[sampler["id"]]
+        assert (after["width"], after["height"]) == (2 * before["width"], 2 * before["height"])
+        assert after["frames"] == before["frames"] and after["frame_rate"] == before["frame_rate"]
+        assert (after["sigmas"], after["steps"]) == ("stage2", 3) and before["sigmas"] == "default"
+    decoders = [n for n in wf["nodes"] if n["type"] in DECODERS]
+    assert len(decoders) == 1
+    final, _ = _source(wf, decoders[0], "samples")  # the sampler the decoder reads makes the native size
+    assert final["type"] in SAMPLERS
+    size = values[final["id"]]
+    assert (size["width"], size["height"], size["frames"]) == NATIVE[gen]
+    create = next(n for n in wf["nodes"] if n["type"] == "CreateVideo")
+    audio_out = [slot for slot, kind in enumerate(node_defs[decoders[0]["type"]]["outputs"]) if kind == "AUDIO"]
+    if audio_out:  # the model's sound track goes into the video
+        assert _source(wf, create, "audio") == (decoders[0], audio_out[0])
+    else:
+        assert _source(wf, create, "audio") is None
     encoders = [n for n in wf["nodes"] if n["type"] in IMAGE_ENCODERS]
-    assert len(encoders) == (gen in TINY_I2V or path.name == "wan2.2_ti2v_5b_i2v_tpu.json")
+    assert len(encoders) == (gen in TINY_I2V or path.name in IMAGE_WORKFLOWS)
     for encoder in encoders:  # encoded at the sampler's size, from ComfyUI's Load Image
         size = widget_values(encoder, node_defs[encoder["type"]])
         assert (size["width"], size["height"], size["frames"]) == NATIVE[gen]
@@ -134,21 +167,39 @@ def test_workflow_fits_node_definitions(path, node_defs):
         assert next(nodes[src]["type"] for lid, src, *_ in wf["links"] if lid == image_link) == "LoadImage"
 
 
+def _source(wf, node, input_name):
+    """The (node, output slot) linked into ``node``'s input ``input_name``; None when nothing is."""
+    link = next((i.get("link") for i in node["inputs"] if i["name"] == input_name), None)
+    if link is None:
+        return None
+    _, src, src_slot, *_ = next(entry for entry in wf["links"] if entry[0] == link)
+    return next(n for n in wf["nodes"] if n["id"] == src), src_slot
+
+
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
-def test_workflow_runs_headlessly_on_a_tiny_model(path, node_defs, tiny_models, tiny_wan, i2v_models, images,
-                                                  tmp_path):
+def test_workflow_runs_headlessly_on_a_tiny_model(path, node_defs, images, request, tmp_path):
     """Execute the graph: our nodes for real (sizes shrunk, the tiny model swapped in), ComfyUI's Load Image,
-    CreateVideo + SaveVideo stood in for (a test picture as ComfyUI's IMAGE; our mp4 writer with the fps)."""
+    CreateVideo + SaveVideo stood in for (a test picture as ComfyUI's IMAGE; our mp4 writer with the fps, and the
+    sound track muxed in when an AUDIO reaches CreateVideo). A two-stage workflow keeps its sizes' relation: the
+    first sampler at the tiny size, the refining one at twice it."""
     from nodes import NODE_CLASS_MAPPINGS
     from PIL import Image
 
     wf = json.loads(path.read_text())
     gen = GENERATION[path.name]
     tiny_i2v = TINY_I2V.get(gen)
-    height, width, frames = SIZES.get(gen) or I2V_SIZES.get(tiny_i2v, (64, 64, 9))
+    tiny_ltx2 = TINY_LTX2.get(gen)
+    if tiny_ltx2:
+        height, width, frames = LTX2_SIZE
+    else:
+        height, width, frames = SIZES.get(gen) or I2V_SIZES.get(tiny_i2v, (64, 64, 9))
+    # the smallest sampler of the workflow runs at the tiny size; the others at the same multiple of it
+    smallest = min((widget_values(n, node_defs[n["type"]]) for n in wf["nodes"] if n["type"] in SAMPLERS),
+                   key=lambda v: v["width"])
     load_images = sorted(n["id"] for n in wf["nodes"] if n["type"] == "LoadImage")
     incoming = {(dst, dst_slot): (src, src_slot) for _, src, src_slot, dst, dst_slot, _ in wf["links"]}
     results: dict[int, tuple] = {}
+    sizes: dict[int, tuple] = {}  # sampler id -> (frames, height, width) it ran at
     for node in sorted(wf["nodes"], key=lambda n: n["order"]):
         kind = node["type"]
         if kind == "Note":
@@ -159,9 +210,15 @@ def test_workflow_runs_headlessly_on_a_tiny_model(path, node_defs, tiny_models, 
                 src, src_slot = incoming[(node["id"], slot)]
                 kwargs[inp["name"]] = results[src][src_slot]
         if kind == "TPUCogVideoXLoader":
-            kwargs.update(model_path=str(i2v_models[tiny_i2v] if tiny_i2v else tiny_models[gen]), dtype="float32")
+            model = request.getfixturevalue("i2v_models")[tiny_i2v] if tiny_i2v else \
+                request.getfixturevalue("tiny_models")[gen]
+            kwargs.update(model_path=str(model), dtype="float32")
+        if kind == "TPULTX2Loader":  # the tiny folder holds its latent_upsampler/: the upsampler input stays empty
+            assert kwargs["upsampler"] == ""
+            kwargs.update(model_path=str(request.getfixturevalue("tiny_ltx2")[tiny_ltx2]), dtype="float32")
         if kind == "TPUWanModelFilesLoader":  # the same kind of files, made from a tiny model, under these names
-            tiny = i2v_models[tiny_i2v] if tiny_i2v else tiny_wan[TINY_WAN[gen]]
+            tiny = request.getfixturevalue("i2v_models")[tiny_i2v] if tiny_i2v else \
+                request.getfixturevalue("tiny_wan")[TINY_WAN[gen]]
             files = export_comfy_files(tiny, tmp_path / "files", "fp16")
             assert (kwargs["diffusion_model_2"] != "none") == ("transformer_2" in files)
             assert (kwargs["clip_vision"] != "none") == ("clip_vision" in files)
@@ -178,27 +235,48 @@ def test_workflow_runs_headlessly_on_a_tiny_model(path, node_defs, tiny_models, 
             kwargs.update(width=width, height=height, frames=frames)
         if kind == "TPUWanLoRA":  # a LoRA of the same format for the tiny model, for the expert it names
             expert = "transformer_2" if kwargs["expert"] == "low noise" else "transformer"
-            kwargs["lora_name"] = str(build_tiny_lora(tiny_wan[TINY_WAN[gen]] / expert,
-                                                      tmp_path / "loras" / kwargs["lora_name"], "comfy"))
+            tiny = request.getfixturevalue("tiny_wan")[TINY_WAN[gen]]
+            kwargs["lora_name"] = str(build_tiny_lora(tiny / expert, tmp_path / "loras" / kwargs["lora_name"], "comfy"))
         if kind in STEP_CACHES:  # the tiny model has no published ratios: one a step, 8 steps
             assert kwargs["mag_ratios"] == "" or kwargs["method"] != "magcache"
             kwargs["mag_ratios"] = "1.0,0.99,0.99,0.99,0.99,0.99,0.99,0.99"
         if kind in SAMPLERS:
             cached = any(n["type"] in STEP_CACHES for n in wf["nodes"])
-            kwargs.update(width=width, height=height, frames=frames, steps=min(kwargs["steps"], 8 if cached else 2))
+            scale = kwargs["width"] // smallest["width"]
+            assert (kwargs["width"], kwargs["height"]) == (scale * smallest["width"], scale * smallest["height"])
+            fixed = kwargs.get("sigmas") in FIXED_SIGMAS  # a schedule of its own number of steps: kept
+            steps = kwargs["steps"] if fixed else min(kwargs["steps"], 8 if cached else 2)
+            kwargs.update(width=scale * width, height=scale * height, frames=frames, steps=steps)
+            sizes[node["id"]] = (frames, scale * height, scale * width)
         if kind == "CreateVideo":
-            results[node["id"]] = ((kwargs["images"], kwargs["fps"]),)
+            results[node["id"]] = ((kwargs["images"], kwargs["fps"], kwargs.get("audio")),)
             continue
         if kind == "SaveVideo":
-            images, fps = kwargs["video"]
-            write_mp4(images, tmp_path / "out.mp4", fps=int(fps))
+            video, fps, audio = kwargs["video"]
+            wav = None
+            if audio is not None:  # as ComfyUI's SaveVideo: the AUDIO's first (only) clip as the sound track
+                wav = write_wav(audio["waveform"][0], tmp_path / "out.wav", audio["sample_rate"])
+            write_mp4(video, tmp_path / "out.mp4", fps=int(fps), audio=wav)
             continue
         cls = NODE_CLASS_MAPPINGS[kind]
         results[node["id"]] = getattr(cls(), cls.FUNCTION)(**kwargs)
+    decoder = next(n for n in wf["nodes"] if n["type"] in DECODERS)
+    final = sizes[_source(wf, decoder, "samples")[0]["id"]]  # the size of the sampler the decoder reads
     decoded, meta = read_mp4(tmp_path / "out.mp4")
-    assert decoded.shape == (frames, height, width, 3)
-    image = next(results[n["id"]][0] for n in wf["nodes"] if n["type"] in DECODERS)
-    assert isinstance(image, torch.Tensor) and image.shape == (frames, height, width, 3)
+    assert decoded.shape == (*final, 3)
+    image = results[decoder["id"]][0]
+    assert isinstance(image, torch.Tensor) and image.shape == (*final, 3)
+    create = next(n for n in wf["nodes"] if n["type"] == "CreateVideo")
+    audio = results[create["id"]][0][2]
+    if "AUDIO" in node_defs[decoder["type"]]["outputs"]:  # the sound reached CreateVideo and the mp4
+        assert audio is results[decoder["id"]][1]
+        waveform, rate = audio["waveform"], audio["sample_rate"]
+        assert isinstance(waveform, torch.Tensor) and waveform.ndim == 3 and waveform.shape[0] == 1
+        assert waveform.shape[1] in (1, 2) and waveform.shape[2] > 0 and waveform.abs().max() > 0
+        assert isinstance(rate, int) and rate > 0
+        assert meta.get("audio_codec") == "aac"
+    else:
+        assert audio is None and "audio_codec" not in meta
     for node in wf["nodes"]:  # a step cache's sampler skipped steps
         if node["type"] in STEP_CACHES:
             assert results[node["id"]][0].family.step_cache_report["skipped"] > 0

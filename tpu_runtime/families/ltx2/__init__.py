@@ -4,7 +4,8 @@ or two (half size, the spatial latent upsampler, a short refine at full size), f
 ``model.py`` recognises and loads a model and runs the stages; ``programs.py`` builds the stage programs (Gemma 3
 and the text connectors, the image encode, one denoising step with every guidance pass, the video and the sound
 decode, the upsampler); ``schedule.py`` computes the sigmas, the sound's length and the token positions as
-diffusers does; ``rules.py`` places the weights on a mesh; ``tiny.py`` builds tiny random-weight models. This file declares the family to the registry.
+diffusers does; ``rules.py`` places the weights on a mesh; ``architectures.py`` holds the released model's
+configs (``plan``); ``tiny.py`` builds tiny random-weight models. This file declares the family to the registry.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ SPEC = FamilySpec(
     pipeline_prefix="LTX2",
     unsupported="this pack runs LTX2Pipeline and LTX2ImageToVideoPipeline models (Lightricks/LTX-2, LTX-2.3)",
     example_repo="Lightricks/LTX-2",
+    architectures="architectures:ARCHITECTURES",
     folder_names=("diffusers",),
     demos={"ltx2": Demo("tiny:build_tiny_ltx2", ("2.0",), 64, 96, 17),
            "ltx2.3": Demo("tiny:build_tiny_ltx2", ("2.3",), 64, 96, 17)},
