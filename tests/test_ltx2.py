@@ -325,3 +325,37 @@ def test_a_lora_gives_diffusers_frames_and_sound(tiny_ltx2, tmp_path):
     _close(ours.latents, out.frames, "LoRA video latents")
     _close(ours.audio, out.audio, "LoRA sound latents")
     assert (ours.latents - plain.latents).abs().max() > 1e-2  # the LoRA moves the video
+
+
+def test_command_line_two_stages_equal_diffusers_chained(tiny_ltx2, tmp_path):
+    """`generate --two-stage` at 128x192: the first sampling at 64x96, the upsampler, 3 refine steps with the stage-2
+    sigmas and one pass a step: diffusers' pipelines chained the same way; frames.safetensors holds the waveform."""
+    from safetensors.torch import load_file
+
+    from tpu_runtime.tools.cli import main
+
+    out = tmp_path / "two"
+    assert main(["generate", "--model", str(tiny_ltx2["2.0"]), "--prompt", PROMPT, "--negative-prompt", NEGATIVE,
+                 "--height", str(2 * H), "--width", str(2 * W), "--frames", str(F), "--steps", str(STEPS),
+                 "--seed", "7", "--dtype", "float32", "--two-stage", "--output-dir", str(out)]) == 0
+    one_pass = {"guidance_scale": 1.0, "audio_guidance_scale": 1.0, "stg_scale": 0.0, "audio_stg_scale": 0.0,
+                "modality_scale": 1.0, "audio_modality_scale": 1.0}
+    want_frames, want_audio = ltx2_two_stages(tiny_ltx2["2.0"], 7, PROMPT, NEGATIVE, H, W, F, STEPS,
+                                              stage_2=one_pass)
+    saved = load_file(str(out / "frames.safetensors"))
+    _close(saved["frames"], want_frames, "--two-stage frames")
+    _close(saved["audio"], want_audio, "--two-stage waveform")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--height", "96", "--width", "96", "--two-stage"], "height and width must be multiples of 64"),
+    (["--two-stage", "--stage", "encode"], "--two-stage applies to sampling"),
+])
+def test_two_stage_mistakes_are_refused_before_anything_runs(tiny_ltx2, tmp_path, capsys, args, needle):
+    from tpu_runtime.tools.cli import main
+
+    before = compile_stats()
+    assert main(["generate", "--model", str(tiny_ltx2["2.0"]), "--prompt", PROMPT, "--frames", str(F),
+                 "--output-dir", str(tmp_path), *args]) == 2
+    assert needle in capsys.readouterr().err
+    assert compile_stats().since(before).xla_compiles == 0

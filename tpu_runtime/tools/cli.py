@@ -92,6 +92,8 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool = False) -> None:
     if not demo:
         ltx2.add_argument("--upsampler", help="the spatial latent upsampler's folder (default: the model's "
                           "latent_upsampler/)")
+    ltx2.add_argument("--two-stage", action="store_true", help="LTX-2's recipe: sample at half the width and "
+                      "height, upsample the latents x2, refine 3 steps (stage-2 sigmas, one pass a step)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="auto: bfloat16 on TPU/GPU, float32 on CPU")
     p.add_argument("--fps", type=int, help="default: the model's (8 CogVideoX, 16 CogVideoX1.5 and Wan, "

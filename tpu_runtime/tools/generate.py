@@ -70,6 +70,7 @@ class GenerateRequest:
     frame_rate: float | None = None
     sigmas: str | None = None
     upsampler: str | None = None  # the spatial latent upsampler's folder (default: the model's latent_upsampler/)
+    two_stage: bool = False  # LTX-2's recipe: sample at half size, upsample the latents x2, refine 3 steps
 
     LTX2_SETTINGS = ("audio_guidance", "stg_scale", "modality_scale", "guidance_rescale", "frame_rate", "sigmas")
 
@@ -173,10 +174,14 @@ def generate(req: GenerateRequest, family=None) -> dict:
     settings = SampleSettings(height, width, frames, req.steps, guidance, req.seed, req.scheduler, req.dynamic_cfg,
                               req.shift, req.guidance_2, req.boundary, loras=loras, loras_2=loras_2, cache=cache,
                               **{name: getattr(req, name) for name in req.LTX2_SETTINGS})
+    stages = two_stage_settings(family, settings) if req.two_stage else None
+    if req.two_stage and req.stage not in ("all", "sample"):
+        raise InputError(f"--two-stage applies to sampling: use it with --stage all or --stage sample, not {req.stage}")
     if cache is not None and req.stage not in ("all", "sample"):
         raise InputError(f"--cache applies to sampling: use it with --stage all or --stage sample, not {req.stage}")
     if req.stage in ("all", "sample"):
-        family.check_settings(settings)  # before the encode stage spends any time
+        for s in stages or (settings,):
+            family.check_settings(s)  # before the encode stage spends any time
         family.apply_loras(family.lora_targets(settings), merge=False)  # every LoRA file read and checked too
     elif loras or loras_2:
         raise InputError(f"--lora applies to sampling: use it with --stage all or --stage sample, not {req.stage}")
@@ -203,8 +208,9 @@ def generate(req: GenerateRequest, family=None) -> dict:
         sf.save_embeddings(out, embeddings, size=(height, width, frames))
         config.update(prompt=req.prompt, negative_prompt=req.negative_prompt)
         image = None
-        if images[0] is not None:
-            image = family.encode_image(*images, height=height, width=width, num_frames=frames)
+        if images[0] is not None:  # at the size the (first) sampling runs at
+            first = stages[0] if stages else settings
+            image = family.encode_image(*images, height=first.height, width=first.width, num_frames=frames)
             sf.save_image(out, image)
         else:
             sf.drop_image(out)
@@ -215,7 +221,13 @@ def generate(req: GenerateRequest, family=None) -> dict:
             embeddings = sf.load_embeddings(out)
             image = sf.load_image(out) if family.image_input != "none" and (
                 family.image_input == "required" or sf.has_image(out)) else None
-        latents = family.sample(embeddings, settings, on_step=_log_step, image=image)
+        if stages:
+            latents = family.sample(embeddings, stages[0], on_step=_log_step, image=image)
+            latents = family.sample(embeddings, stages[1], on_step=_log_step, latents=family.upsample(latents))
+            config.update(two_stage={"first": [stages[0].height, stages[0].width], "refine_steps": stages[1].steps,
+                                     "refine_sigmas": stages[1].sigmas})
+        else:
+            latents = family.sample(embeddings, settings, on_step=_log_step, image=image)
         sf.save_latents(out, latents)
         config.update(steps=req.steps, guidance=guidance, seed=req.seed, scheduler=req.scheduler or "model default",
                       **{k: v for k, v in (("dynamic_cfg", req.dynamic_cfg), ("shift", req.shift),
@@ -231,13 +243,14 @@ def generate(req: GenerateRequest, family=None) -> dict:
         if req.stage == "decode":
             latents = sf.load_latents(out)
         frames_tensor = family.decode(latents, tiling=req.vae_tiling, group_norm=req.group_norm)
-        sf.save_frames(out, frames_tensor)
-        audio = None
+        audio = waveform = None
         if latents.audio is not None:  # a sound track (LTX-2): a WAV beside the mp4, and in it
-            audio = write_wav(family.decode_audio(latents), out / sf.AUDIO_FILE, family.sample_rate)
+            waveform = family.decode_audio(latents)
+            audio = write_wav(waveform, out / sf.AUDIO_FILE, family.sample_rate)
             config.update(sample_rate=family.sample_rate)
         else:
             (out / sf.AUDIO_FILE).unlink(missing_ok=True)  # an earlier run's sound is not this video's
+        sf.save_frames(out, frames_tensor, audio=waveform)
         write_mp4(frames_tensor, out / sf.VIDEO_FILE, fps=fps, audio=audio)
         config.update(vae_tiling=req.vae_tiling, group_norm=req.group_norm)
 
@@ -255,6 +268,32 @@ def generate(req: GenerateRequest, family=None) -> dict:
         "wall_s": round(time.perf_counter() - wall_start, 3),
     }
     return sf.update_config(out, **config, timings={req.stage: timings})
+
+
+def two_stage_settings(family, settings):
+    """LTX-2's two-stage recipe for ``settings`` (the final size): the first sampling at half the width and height,
+    then, after the spatial latent upsampler, 3 refine steps over the stage-2 distilled sigmas with one transformer
+    pass a step (guidance 1, no STG or isolation: the distilled stage-2 settings), the same seed."""
+    import dataclasses
+
+    from ..errors import InputError
+
+    if not hasattr(family, "upsample"):
+        raise InputError(f"--two-stage is LTX-2's recipe; {family.label} is a {family.FAMILY_NAME} model: leave it out")
+    if getattr(family, "upsampler_path", None) is None:
+        raise InputError(f"--two-stage needs the spatial latent upsampler: {family.label} has no latent_upsampler/ "
+                         "folder; give its folder with --upsampler")
+    m = 2 * family.vae_scale_spatial
+    if settings.height % m or settings.width % m:
+        raise InputError(f"--two-stage samples at half the size first: height and width must be multiples of {m} "
+                         f"(got {settings.height}x{settings.width}; e.g. {settings.height // m * m or m}x"
+                         f"{settings.width // m * m or m})")
+    if settings.cache is not None:
+        raise InputError("--cache with --two-stage: step caching is not offered for LTX-2; leave --cache out")
+    first = dataclasses.replace(settings, height=settings.height // 2, width=settings.width // 2)
+    refine = dataclasses.replace(settings, steps=3, sigmas="stage2", guidance=1.0, audio_guidance=1.0, stg_scale=0.0,
+                                 modality_scale=1.0, loras=settings.loras)
+    return first, refine
 
 
 def write_mag_ratios(out: Path, calibrated: dict[str, list[float]]) -> Path:

@@ -5,7 +5,8 @@
 ``stage1_image.safetensors``       image-to-video: the image encode stage's output (``ImageConditioning``)
 ``stage2_latents.safetensors``     latents ``[B, C, T, H/8, W/8]`` float32 (before VAE scaling; and a sound
                                    track's audio latents ``[B, C, L, M]``)
-``frames.safetensors``             frames ``[F, H, W, 3]`` float32 in 0..1
+``frames.safetensors``             frames ``[F, H, W, 3]`` float32 in 0..1 (and a sound track's waveform
+                                   ``audio`` ``[channels, samples]`` float32)
 ``generation_config.json``         the settings, the model and the per-stage timings
 
 Each safetensors file records the model signature it was made with, and the sizes, in its metadata.
@@ -153,9 +154,13 @@ def load_latents(directory: Path) -> VideoLatents:
         )
 
 
-def save_frames(directory: Path, frames: torch.Tensor) -> Path:
+def save_frames(directory: Path, frames: torch.Tensor, audio: torch.Tensor | None = None) -> Path:
+    """The frames, and a sound track's waveform ``audio`` ``[channels, samples]`` float32 (LTX-2) beside them."""
     path = Path(directory) / FRAMES_FILE
-    save_file({"frames": frames.float().contiguous()}, str(path))
+    tensors = {"frames": frames.float().contiguous()}
+    if audio is not None:
+        tensors["audio"] = audio.float().contiguous()
+    save_file(tensors, str(path))
     return path
 
 

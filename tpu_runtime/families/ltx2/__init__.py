@@ -10,7 +10,7 @@ configs (``plan``); ``tiny.py`` builds tiny random-weight models. This file decl
 
 from __future__ import annotations
 
-from ..spec import Demo, FamilySpec, NodeSpec, SamplerNode
+from ..spec import Demo, FamilySpec, FileRole, FilesLoaderNode, NodeSpec, SamplerNode
 
 
 def _sampler_settings(inputs: dict) -> dict:
@@ -36,6 +36,20 @@ SPEC = FamilySpec(
     folder_names=("diffusers",),
     demos={"ltx2": Demo("tiny:build_tiny_ltx2", ("2.0",), 64, 96, 17),
            "ltx2.3": Demo("tiny:build_tiny_ltx2", ("2.3",), 64, 96, 17)},
+    file_roles=(
+        FileRole("checkpoint", "--checkpoint", "checkpoints", True,
+                 "LTX-2's all-in-one checkpoint (transformer, connectors, VAEs, vocoder), models/checkpoints/, "
+                 "e.g. ltx-2-19b-dev.safetensors"),
+        FileRole("text_encoder", "--text-encoder", "text_encoders", True,
+                 "the text encoder, models/text_encoders/ (Wan: umt5_xxl_*; LTX-2: gemma_3_12B_it)"),
+        FileRole("latent_upscaler", "--latent-upscaler", "latent_upscale_models", False,
+                 "LTX-2 two-stage generation: the spatial upscaler, models/latent_upscale_models/"
+                 "ltx-2-spatial-upscaler-x2-1.0.safetensors"),
+        FileRole("tokenizer", "--tokenizer", "text_encoders", False,
+                 "LTX-2: a Gemma tokenizer folder, only for a text-encoder file without its tokenizer inside"),
+    ),
+    recognise_files="files:recognise",
+    message_types=("files:LTX2Files",),
     nodes=NodeSpec(
         prefix="TPULTX2",
         title="LTX-2",
@@ -74,6 +88,14 @@ SPEC = FamilySpec(
         audio=True,
         upsample_doc="Two-stage generation: the video latents at twice the width and height (the spatial latent "
                      "upsampler), the sound's as they are; feed them to a second sampler (sigmas stage2) to refine.",
+        files_loader=FilesLoaderNode(
+            description="Loads LTX-2 from ComfyUI's single files (the all-in-one checkpoint and Gemma 3); the "
+                        "architecture is read from the weights.",
+            required=(("checkpoint", "checkpoint", "models/checkpoints: e.g. ltx-2-19b-dev"),
+                      ("text_encoder", "text_encoder", "models/text_encoders: gemma_3_12B_it")),
+            optional=(("latent_upscaler", "latent_upscaler", "models/latent_upscale_models: "
+                       "ltx-2-spatial-upscaler-x2 (two-stage generation)"), "@device", "@layout"),
+        ),
         loader_optional={"upsampler": ("STRING", {
             "default": "", "tooltip": "the spatial latent upsampler's diffusers folder (two-stage generation); "
             "empty: the model folder's latent_upsampler/"})},

@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 
 COMPONENTS = ("scheduler", "text_encoder", "tokenizer", "connectors", "transformer", "vae", "audio_vae", "vocoder")
 UPSAMPLER = "latent_upsampler"
+# The classes of ComfyUI's single files' components (a diffusers folder names its own in model_index.json).
+FILE_CLASSES = {"transformer": ("diffusers", "LTX2VideoTransformer3DModel"), "connectors": ("ltx2", "LTX2TextConnectors"),
+                "vae": ("diffusers", "AutoencoderKLLTX2Video"), "audio_vae": ("diffusers", "AutoencoderKLLTX2Audio"),
+                "text_encoder": ("transformers", "Gemma3TextModel")}
 # diffusers' LTX2Pipeline.__call__ defaults
 NATIVE = (512, 768, 121)
 DEFAULT_STEPS = 30
@@ -72,17 +76,27 @@ class LTX2Family(LTX2Programs, ModelFamily):
     image_input = "optional"  # text to video, or image to video with a first frame
     last_image_input = False
 
-    def __init__(self, path: str | Path, *, dtype: str = "auto", runtime: Runtime | None = None,
+    def __init__(self, path: str | Path | None = None, *, files: "dict | None" = None, dtype: str = "auto", runtime: Runtime | None = None,
                  mesh: "str | dict | MeshSpec | None" = None, attention: "AttentionConfig | str | None" = None,
                  fsdp: bool = False, vae_sharding: str = "auto", target_devices=None, index: dict | None = None,
                  layers: int | None = None, upsampler: str | Path | None = None):
-        self.path = Path(path).expanduser()
-        self.index = inspect_family_folder(self.path, SPEC, required=COMPONENTS, index=index,
-                                           weights=target_devices is None)
-        self.configs = {name: read_config(self.path / name) for name in
-                        ("text_encoder", "connectors", "transformer", "vae", "audio_vae", "vocoder")}
+        if (path is None) == (files is None):
+            raise InputError("give either an LTX-2 diffusers folder or the single files (checkpoint, text encoder), "
+                             "not both")
+        self.files = None
+        self._names: dict[str, dict[str, str]] = {}
+        self._upscaler_config = None
+        if files is not None:
+            self.path = None
+            self._inspect_files(files)
+        else:
+            self.path = Path(path).expanduser()
+            self.index = inspect_family_folder(self.path, SPEC, required=COMPONENTS, index=index,
+                                               weights=target_devices is None)
+            self.configs = {name: read_config(self.path / name) for name in
+                            ("text_encoder", "connectors", "transformer", "vae", "audio_vae", "vocoder")}
+            self.scheduler_config = read_config(self.path / "scheduler", "scheduler_config.json")
         self.configs["transformer"] = self._with_layers(self.configs["transformer"], layers)
-        self.scheduler_config = read_config(self.path / "scheduler", "scheduler_config.json")
         self.upsampler_path = self._find_upsampler(upsampler)
         t, c = self.configs["transformer"], self.configs["connectors"]
         self.transformer_config, self.vae_config, self.audio_vae_config = t, self.configs["vae"], \
@@ -106,21 +120,63 @@ class LTX2Family(LTX2Programs, ModelFamily):
                 raise ModelFolderError(f"latent upsampler {path} is not a diffusers model folder (config.json and "
                                        "safetensors weights): pass the folder of LTX2LatentUpsamplerModel")
             return path
+        if self.path is None:
+            return self.files.latent_upscaler
         inside = self.path / UPSAMPLER
         return inside if (inside / "config.json").is_file() else None
+
+    def _inspect_files(self, files) -> None:
+        """Configs and key names from ComfyUI's single files (``files.py``), checked before anything compiles."""
+        from .architectures import SCHEDULER
+        from .files import LTX2Files, checkpoint_configs, gemma_names, spiece_model, upscaler_names
+
+        if isinstance(files, dict):
+            unknown = set(files) - {"checkpoint", "text_encoder", "latent_upscaler", "tokenizer"}
+            if unknown:
+                raise InputError(f"LTX-2 single files take checkpoint, text_encoder, latent_upscaler and tokenizer, "
+                                 f"not {', '.join(sorted(unknown))}")
+            files = LTX2Files(**{k: Path(v).expanduser() for k, v in files.items() if v})
+        self.files = files
+        for what, p in (("checkpoint", files.checkpoint), ("text encoder", files.text_encoder),
+                        ("latent upscaler", files.latent_upscaler)):
+            if p is not None and not Path(p).is_file():
+                raise ModelFolderError(f"LTX-2 {what} file {p} does not exist: check the path (ComfyUI keeps them in "
+                                       "models/checkpoints, models/text_encoders and models/latent_upscale_models)")
+        configs, self._names = checkpoint_configs(files.checkpoint)
+        self._vocoder_class = configs.pop("vocoder_class")["name"]
+        text, self._names["text_encoder"] = gemma_names(files.text_encoder)
+        self.configs = {"text_encoder": {"model_type": "gemma3_text", **text}, **configs}
+        if int(text["hidden_size"]) != int(configs["connectors"]["caption_channels"]):
+            raise ModelFolderError(f"text encoder {files.text_encoder} gives {text['hidden_size']}-wide hidden states, "
+                                   f"the checkpoint's connectors take {configs['connectors']['caption_channels']}: use "
+                                   "the Gemma 3 12B file made for LTX-2")
+        if files.tokenizer is None and spiece_model(files.text_encoder) is None:
+            raise InputError(f"{files.text_encoder} carries no tokenizer (tensor spiece_model): use ComfyUI's Gemma 3 "
+                             "file, which ships it, or give a Gemma tokenizer folder (--tokenizer)")
+        if files.latent_upscaler is not None:
+            self._upscaler_config, self._names[UPSAMPLER] = upscaler_names(files.latent_upscaler)
+        self.index = dict(FILE_CLASSES, vocoder=("ltx2", self._vocoder_class))
+        self.scheduler_config = dict(SCHEDULER)
 
     # --- loading ---------------------------------------------------------------------------------------------
     def _source(self, name: str) -> ComponentSource:
         from ...engine.weights import safetensors_files
 
-        if name == "text_encoder":
+        if name == "text_encoder" and self.path is not None:
             return self._gemma_source()
+        if self.path is None and name != UPSAMPLER:
+            return self._file_source(name)
         if name == UPSAMPLER:
             if self.upsampler_path is None:
                 raise InputError(f"{self.label} has no spatial latent upsampler: give its folder (--upsampler, the "
                                  "loader's upsampler input; LTX-2's latent_upsampler/)")
             from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
 
+            if self._upscaler_config is not None and self.upsampler_path == self.files.latent_upscaler:
+                return ComponentSource(LTX2LatentUpsamplerModel, builder(LTX2LatentUpsamplerModel,
+                                                                         self._upscaler_config),
+                                       [] if self.abstract else [self.upsampler_path],
+                                       f"LTX-2 latent upscaler ({self.upsampler_path})", names=self._names[UPSAMPLER])
             config = read_config(self.upsampler_path)
             files = [] if self.abstract else safetensors_files(self.upsampler_path)
             return ComponentSource(LTX2LatentUpsamplerModel, builder(LTX2LatentUpsamplerModel, config), files,
@@ -155,10 +211,35 @@ class LTX2Family(LTX2Programs, ModelFamily):
         return ComponentSource(Gemma3TextModel, lambda: Gemma3TextModel(text_config), files,
                                f"LTX-2 text encoder ({self.path / 'text_encoder'})", names=names)
 
+    def _file_source(self, name: str) -> ComponentSource:
+        """A component of the single files: its diffusers class built from the config read off the shapes, its
+        tensors from the file under their diffusers names."""
+        if name == "text_encoder":
+            from transformers import Gemma3TextConfig, Gemma3TextModel
+
+            config = {k: v for k, v in self.configs["text_encoder"].items() if not k.startswith("_")}
+            text_config = Gemma3TextConfig(**config)
+            text_config._attn_implementation = "eager"
+            path = self.files.text_encoder
+            return ComponentSource(Gemma3TextModel, lambda: Gemma3TextModel(text_config),
+                                   [] if self.abstract else [path], f"LTX-2 text encoder ({path})",
+                                   names=self._names["text_encoder"])
+        if name not in self.configs:
+            raise KeyError(name)
+        cls = model_class(*self.index[name])
+        path = self.files.checkpoint
+        return ComponentSource(cls, builder(cls, self.configs[name]), [] if self.abstract else [path],
+                               f"LTX-2 {name} ({path})", names=self._names[name])
+
     def _load_tokenizer(self):
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(self.path / "tokenizer")
+        if self.path is None and self.files.tokenizer is None:
+            from .files import GemmaSentencePieceTokenizer, spiece_model
+
+            return GemmaSentencePieceTokenizer(spiece_model(self.files.text_encoder))
+        folder = self.files.tokenizer if self.path is None else self.path / "tokenizer"
+        tokenizer = AutoTokenizer.from_pretrained(folder)
         tokenizer.padding_side = "left"  # diffusers: Gemma takes left-padded prompts
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -176,11 +257,18 @@ class LTX2Family(LTX2Programs, ModelFamily):
     def default_fps(self) -> int:
         return int(DEFAULTS["frame_rate"])
 
+    @property
+    def label(self) -> str:
+        return self.path.name if self.path is not None else self.files.checkpoint.stem
+
     def describe(self) -> dict:
-        return {**super().describe(), "source": str(self.path),
+        source = str(self.path) if self.path is not None else {k: str(v) for k, v in vars(self.files).items() if v}
+        return {**super().describe(), "source": source,
                 "upsampler": str(self.upsampler_path) if self.upsampler_path else None}
 
     def source_paths(self) -> list[Path]:
+        if self.path is None:
+            return [p for p in vars(self.files).values() if p]
         return [self.path] + ([self.upsampler_path] if self.upsampler_path else [])
 
     @property

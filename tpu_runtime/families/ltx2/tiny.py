@@ -210,3 +210,137 @@ def build_tiny_ltx2(directory: str | Path, generation: str = "2.0", seed: int = 
         "vocoder": ["ltx2", "LTX2VocoderWithBWE" if generation == "2.3" else "LTX2Vocoder"],
     }
     return finish(directory, model_index, f"LTX-{generation}", seed)
+
+
+# --- ComfyUI's single files ------------------------------------------------------------------------------------
+def _vae_to_original(name: str) -> str:
+    """diffusers' LTX-2 video VAE name -> ComfyUI's (the inverse of ``convert_ltx2_vae_to_diffusers``)."""
+    import re
+
+    name = name.replace(".resnets.", ".res_blocks.")
+    if name == "latents_mean":
+        return "per_channel_statistics.mean-of-means"
+    if name == "latents_std":
+        return "per_channel_statistics.std-of-means"
+    m = re.match(r"encoder\.down_blocks\.(\d+)\.downsamplers\.0\.(.*)", name)
+    if m:
+        return f"encoder.down_blocks.{2 * int(m.group(1)) + 1}.{m.group(2)}"
+    m = re.match(r"encoder\.down_blocks\.(\d+)\.(.*)", name)
+    if m:
+        return f"encoder.down_blocks.{2 * int(m.group(1))}.{m.group(2)}"
+    if name.startswith("encoder.mid_block."):
+        return name.replace("encoder.mid_block.", f"encoder.down_blocks.{_VAE_STAGES['encoder'] * 2}.")
+    if name.startswith("decoder.mid_block."):
+        return name.replace("decoder.mid_block.", "decoder.up_blocks.0.")
+    m = re.match(r"decoder\.up_blocks\.(\d+)\.upsamplers\.0\.(.*)", name)
+    if m:
+        return f"decoder.up_blocks.{2 * int(m.group(1)) + 1}.{m.group(2)}"
+    m = re.match(r"decoder\.up_blocks\.(\d+)\.(.*)", name)
+    if m:
+        return f"decoder.up_blocks.{2 * int(m.group(1)) + 2}.{m.group(2)}"
+    return name
+
+
+_VAE_STAGES = {"encoder": 4}
+_TRANSFORMER_TO_ORIGINAL = (("audio_time_embed.", "audio_adaln_single."), ("time_embed.", "adaln_single."),
+                            ("audio_proj_in.", "audio_patchify_proj."), ("proj_in.", "patchify_proj."),
+                            ("av_cross_attn_video_scale_shift.", "av_ca_video_scale_shift_adaln_single."),
+                            ("av_cross_attn_video_a2v_gate.", "av_ca_a2v_gate_adaln_single."),
+                            ("av_cross_attn_audio_scale_shift.", "av_ca_audio_scale_shift_adaln_single."),
+                            ("av_cross_attn_audio_v2a_gate.", "av_ca_v2a_gate_adaln_single."))
+
+
+def _transformer_to_original(name: str) -> str:
+    for old, new in _TRANSFORMER_TO_ORIGINAL:
+        if name.startswith(old):
+            name = new + name[len(old):]
+            break
+    name = (name.replace("video_a2v_cross_attn_scale_shift_table", "scale_shift_table_a2v_ca_video")
+            .replace("audio_a2v_cross_attn_scale_shift_table", "scale_shift_table_a2v_ca_audio")
+            .replace(".norm_q.", ".q_norm.").replace(".norm_k.", ".k_norm."))
+    return "model.diffusion_model." + name
+
+
+def _connector_to_original(name: str) -> str:
+    from .files import CONNECTOR_NAMES
+
+    for original, new in CONNECTOR_NAMES:
+        if name.startswith(new):
+            rest = name[len(new):].replace("transformer_blocks.", "transformer_1d_blocks.")
+            return original + rest.replace(".norm_q.", ".q_norm.").replace(".norm_k.", ".k_norm.")
+    raise KeyError(name)
+
+
+def _vocoder_to_original(name: str) -> str:
+    from .files import VOCODER_NAMES
+
+    for original, new in VOCODER_NAMES:
+        if name.startswith(new):
+            return "vocoder." + original + name[len(new):]
+    return "vocoder." + name
+
+
+def export_comfy_files(folder: str | Path, out: str | Path, dtype: str = "fp32") -> dict[str, Path]:
+    """Write a tiny LTX-2 diffusers folder as ComfyUI's single files: the all-in-one checkpoint (transformer,
+    connectors, video and audio VAE, vocoder in ComfyUI's names), Gemma 3 as ComfyUI's text-encoder file, and the
+    latent upscaler. What the shapes cannot tell (the tiny models' head counts, Gemma pattern, VAE and vocoder
+    strides) goes into the ``tpu_runtime.diffusers_configs`` metadata: exactly the fields where the architecture
+    read from the shapes differs from the folder's configs. Returns {"checkpoint", "text_encoder",
+    ["latent_upscaler"]} -> path."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from . import files as F
+
+    folder, out = Path(folder), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+
+    def load(component):
+        state = {}
+        for f in sorted((folder / component).glob("*.safetensors")):
+            state.update(load_file(str(f)))
+        return {k: v.to(dt) if v.is_floating_point() else v for k, v in state.items()}
+
+    vae_config = json.loads((folder / "vae" / "config.json").read_text())
+    _VAE_STAGES["encoder"] = len(vae_config["block_out_channels"])
+    tensors = {}
+    tensors.update({_transformer_to_original(k): v for k, v in load("transformer").items()})
+    tensors.update({_connector_to_original(k): v for k, v in load("connectors").items()})
+    tensors.update({"vae." + _vae_to_original(k): v for k, v in load("vae").items()})
+    tensors.update({"audio_vae." + k.replace("latents_mean", "per_channel_statistics.mean-of-means")
+                    .replace("latents_std", "per_channel_statistics.std-of-means"): v
+                    for k, v in load("audio_vae").items()})
+    tensors.update({_vocoder_to_original(k): v for k, v in load("vocoder").items()})
+    paths = {"checkpoint": out / f"ltx2_tiny_{dtype}.safetensors"}
+    save_file(tensors, str(paths["checkpoint"]))
+    derived, names = F.checkpoint_configs(paths["checkpoint"])
+    for component, mapping in names.items():  # the round trip is exact: every tensor back under its own name
+        back = set(mapping.values())
+        want = set(load_file(str(next((folder / component).glob("*.safetensors")))))
+        if back != want:
+            raise AssertionError(f"{component}: {sorted(back ^ want)[:6]}")
+    meta = {}
+    for component in ("transformer", "connectors", "vae", "audio_vae", "vocoder"):
+        true = {k: v for k, v in json.loads((folder / component / "config.json").read_text()).items()
+                if not k.startswith("_")}
+        diff = {k: v for k, v in true.items() if json.dumps(derived[component].get(k)) != json.dumps(v)}
+        if diff:
+            meta[component] = diff
+    save_file(tensors, str(paths["checkpoint"]), metadata={F.METADATA: json.dumps(meta)})
+
+    gemma = load("text_encoder")
+    text = {"model." + k[len("language_model.model."):]: v for k, v in gemma.items()
+            if k.startswith("language_model.model.")}
+    paths["text_encoder"] = out / f"gemma_tiny_{dtype}.safetensors"
+    save_file(text, str(paths["text_encoder"]))
+    true = json.loads((folder / "text_encoder" / "config.json").read_text())["text_config"]
+    derived, _ = F.gemma_names(paths["text_encoder"])
+    diff = {k: v for k, v in true.items() if k in derived and json.dumps(derived[k]) != json.dumps(v)}
+    save_file(text, str(paths["text_encoder"]), metadata={F.METADATA: json.dumps({"text_encoder": diff})})
+    if (folder / "latent_upsampler").is_dir():
+        paths["latent_upscaler"] = out / f"ltx2_upscaler_tiny_{dtype}.safetensors"
+        save_file(load("latent_upsampler"), str(paths["latent_upscaler"]))
+    return paths
