@@ -21,13 +21,14 @@ from tpu_runtime.errors import InputError
 from tpu_runtime.multihost.transport import file_fingerprint, source_fingerprints
 from tpu_runtime.multihost.worker import _check_files
 from tpu_runtime.families.cogvideox.tiny import TinySpec, build_tiny_cogvideox
+from tpu_runtime.families.ltx2.tiny import build_tiny_ltx2
 from tpu_runtime.families.wan.tiny import TinyWanSpec, build_tiny_lora, build_tiny_wan
 
 JOB = str(Path(__file__).with_name("multihost_job.py"))
 SIZE = {"height": 32, "width": 64, "frames": 9}
 # mesh dp=2,tp=4 puts process 0's four devices on dp 0 and process 1's on dp 1 (the CFG halves on different
 # hosts); tp=8 splits every attention and FFN across the two processes.
-MESHES = {"dp": "dp=2,sp=1,tp=4", "tp": "dp=1,sp=1,tp=8"}
+MESHES = {"dp": "dp=2,sp=1,tp=4", "tp": "dp=1,sp=1,tp=8", "all": "dp=2,sp=2,tp=2"}
 HEARTBEAT = 4
 
 
@@ -42,7 +43,8 @@ def models(tmp_path_factory):
     return {"cogvideox": build_tiny_cogvideox(base / "cogvideox", "5b", seed=3, spec=TinySpec("5b", heads=8)),
             "wan": wan, "wan_lora": build_tiny_lora(wan / "transformer", base / "wan_lora.safetensors", seed=5),
             "wan_i2v": build_tiny_wan(base / "wan_i2v", "2.1", seed=3, spec=TinyWanSpec(heads=8, layers=1),
-                                      image="i2v"), "picture": picture}
+                                      image="i2v"), "picture": picture,
+            "ltx2": build_tiny_ltx2(base / "ltx2", "2.0", seed=3)}
 
 
 def _free_port() -> int:
@@ -95,7 +97,7 @@ def _run_slice(tmp: Path, jobs, driver_cwd: Path, worker_cwd: Path):
 # Wan with FirstBlockCache on dp (its two CFG passes decide apart, each process reads back the same change and
 # takes the first process's decision).
 RUNS = {"cogvideox_dp": ("cogvideox", "dp"), "wan_tp": ("wan", "tp"), "wan_i2v_tp": ("wan_i2v", "tp"),
-        "wan_cached_dp": ("wan", "dp")}
+        "wan_cached_dp": ("wan", "dp"), "ltx2_all": ("ltx2", "all")}  # LTX-2: video and sound, every axis
 CACHED = {"cache": {"cache": "first-block", "cache_threshold": 0.5}, "steps": 3}
 
 
@@ -139,11 +141,14 @@ def test_two_processes_give_the_one_process_frames(two_processes, one_process):
     for name, (_, axis) in RUNS.items():
         assert report[name]["devices"] == 8 and report[name]["mesh"] == MESHES[axis]
         assert report[name]["loras"] == single[name]["loras"] == (name == "wan_tp")
-        got = load_file(out / name / "frames.safetensors")["frames"]
-        want = load_file(single_out / name / "frames.safetensors")["frames"]
-        assert got.shape == want.shape and np.isfinite(got).all()
-        print(name, "max |slice - one process|", np.abs(got - want).max())
-        assert np.abs(got - want).max() < 1e-5, (name, np.abs(got - want).max())
+        got_all = load_file(out / name / "frames.safetensors")
+        want_all = load_file(single_out / name / "frames.safetensors")
+        assert set(got_all) == set(want_all) == ({"frames", "audio"} if name.startswith("ltx2") else {"frames"})
+        for key in got_all:  # the frames, and LTX-2's waveform
+            got, want = got_all[key], want_all[key]
+            assert got.shape == want.shape and np.isfinite(got).all()
+            print(name, key, "max |slice - one process|", np.abs(got - want).max())
+            assert np.abs(got - want).max() < 1e-5, (name, key, np.abs(got - want).max())
         assert report[name]["step_cache"] == single[name]["step_cache"]
     assert report["wan_cached_dp"]["step_cache"]["skipped_steps"] == [2, 3]  # every process skipped the same
     # The worker ran every call and stopped when process 0 closed the slice.
