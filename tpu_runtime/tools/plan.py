@@ -15,8 +15,6 @@ shapes and their shardings. Run times need real hardware and are not estimated.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -25,45 +23,32 @@ import resource
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-import numpy as np
 
 from ..engine.sharding import MeshSpec, _divisors, default_mesh, parse_mesh
 from ..engine.stages import SampleSettings
 from ..errors import InputError
+from .plan_compile import (  # noqa: F401 (compile_program and the rest are plan's API too)
+    MOSAIC,
+    PROGRESS_EVERY,
+    _PROGRESS,
+    StageReport,
+    _in_background,
+    _no_persistent_cache,
+    _weights_alone,
+    compile_program,
+    count_ops,
+    shard_bytes,
+)
 from .topology import _SLICE_SIZES, _TENSORCORE_NAMED, EXAMPLES, GIB, Topology, parse_topology  # noqa: F401
 
 log = logging.getLogger(__name__)
 
-MOSAIC = "tpu_custom_call"  # a Pallas kernel lowered for TPU
 STAGES = ("encode", "image", "sample", "decode")  # image: image-to-video models only
-_COLLECTIVES = {"all_reduces": "all-reduce", "all_gathers": "all-gather", "reduce_scatters": "reduce-scatter",
-                "all_to_alls": "all-to-all", "collective_permutes": "collective-permute"}
 
 
 # --- reports ---------------------------------------------------------------------------------------------------
-@dataclass
-class StageReport:
-    compiled: bool
-    error: str | None = None
-    skipped: bool = False  # not compiled: the verdict was already "does not fit"
-    describe: str = ""
-    weights_bytes_per_chip: int = 0
-    argument_bytes_per_chip: int = 0
-    temp_bytes_per_chip: int = 0
-    output_bytes_per_chip: int = 0
-    total_bytes_per_chip: int = 0
-    all_reduces: int = 0
-    all_gathers: int = 0
-    reduce_scatters: int = 0
-    all_to_alls: int = 0
-    collective_permutes: int = 0
-    mosaic_kernels: int = 0
-    compile_seconds: float = 0.0
-
-
 @dataclass
 class MeshReport:
     mesh: str
@@ -107,159 +92,6 @@ class PlanReport:
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-# --- compiling -------------------------------------------------------------------------------------------------
-def shard_bytes(state: dict) -> int:
-    """Bytes per chip of a state of shape structs (each distinct struct once, by its shard's shape)."""
-    seen, total = set(), 0
-    for struct in state.values():
-        if id(struct) in seen:
-            continue
-        seen.add(id(struct))
-        total += int(np.prod(struct.sharding.shard_shape(struct.shape), dtype=np.int64)) * struct.dtype.itemsize
-    return total
-
-
-def count_ops(hlo: str) -> dict[str, int]:
-    """Collectives and Mosaic kernels in a compiled program's HLO text (instructions, not executions).
-
-    A collective the compiler cuts into a chain of pieces keeps its channel id and counts once: for v5e it splits
-    a large all-gather of keys/values into four, which counted as instructions gave CogVideoX-2b's step 151
-    all-gathers on v5e-8 against 61 on v6e-8 for the same program."""
-    patterns = {key: re.compile(rf"\b{op}(?:-start)?\(") for key, op in _COLLECTIVES.items()}
-    counts = dict.fromkeys(_COLLECTIVES, 0)
-    channels: set[tuple[str, str]] = set()
-    for line in hlo.splitlines():
-        for key, pattern in patterns.items():
-            if pattern.search(line):
-                channel = re.search(r"\bchannel_id=(\d+)", line)
-                if channel is None or (key, channel.group(1)) not in channels:
-                    counts[key] += 1
-                if channel is not None:
-                    channels.add((key, channel.group(1)))
-                break
-    counts["mosaic_kernels"] = hlo.count(f'custom_call_target="{MOSAIC}"')
-    return counts
-
-
-_COMPILED: dict[tuple, StageReport] = {}  # (topology, program text) -> report: identical programs compile once
-
-
-def compile_program(program, topo: Topology) -> StageReport:
-    """Compile one ``StageProgram`` for its (TPU) mesh and read its memory and collectives."""
-    import jax
-
-    from ..engine.runtime import lower
-
-    weights_bytes = shard_bytes(program.example[0])
-    inputs = [x for x in jax.tree_util.tree_leaves(program.example[1:]) if hasattr(x, "sharding")]
-    inputs_bytes = shard_bytes(dict(enumerate(inputs)))
-    report = StageReport(compiled=False, describe=program.describe, weights_bytes_per_chip=weights_bytes)
-    if weights_bytes > topo.hbm_bytes:
-        report.error = _weights_alone(weights_bytes, topo)
-        return report
-    start = time.perf_counter()
-    try:
-        key, compiled = _in_background(lambda: _lower_and_compile(program, topo, lower), program.describe, topo)
-        if compiled is None:
-            return replace(_COMPILED[key], describe=program.describe)
-    except MemoryError:
-        report.error = "this machine ran out of host memory compiling it: plan on a machine with more memory"
-        return report
-    except Exception as exc:  # noqa: BLE001 - the compiler's own message is the report (e.g. HBM exhausted)
-        # The compiler's first lines say what ran out and where (e.g. which fusion needs how much VMEM).
-        lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-        report.error = f"{type(exc).__name__}: {' '.join(lines[:4])[:800]}"
-        report.compile_seconds = round(time.perf_counter() - start, 1)
-        return report
-    report.compile_seconds = round(time.perf_counter() - start, 1)
-    report.compiled = True
-    memory = compiled.memory_analysis()
-    if memory is not None:
-        report.argument_bytes_per_chip = int(memory.argument_size_in_bytes)
-        report.output_bytes_per_chip = int(memory.output_size_in_bytes)
-        report.temp_bytes_per_chip = int(memory.temp_size_in_bytes)
-        # Weights and inputs as placed (the compiler leaves unused arguments out of its count; they are still
-        # on the chip), plus what the program allocates.
-        report.total_bytes_per_chip = int(weights_bytes + inputs_bytes + memory.output_size_in_bytes
-                                          + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
-    for name, value in count_ops(compiled.as_text()).items():
-        setattr(report, name, value)
-    _COMPILED[key] = report
-    return report
-
-
-def _weights_alone(weights_bytes: int, topo: Topology) -> str:
-    return (f"not compiled: its weights alone need {weights_bytes / GIB:.1f} GiB per chip, the chip has "
-            f"{topo.hbm_bytes / GIB:.0f} GiB")
-
-
-def _lower_and_compile(program, topo: Topology, lower):
-    """(key, executable) of ``program`` for ``topo``; the executable is None when an identical program (same text,
-    same topology) was compiled before in this process."""
-    with program.scope():
-        lowered = lower(program.fn, *program.example)
-    key = (topo.name, hashlib.sha256(lowered.as_text().encode()).hexdigest())
-    if key in _COMPILED:
-        return key, None
-    return key, lowered.compile()
-
-
-PROGRESS_EVERY = 30.0  # seconds between "still compiling" lines
-
-
-def _in_background(work, describe: str, topo: Topology):
-    """``work()`` in a thread, this thread waiting in short slices: long compiles say every ``PROGRESS_EVERY``
-    seconds what is compiling and for how long, and SIGINT/SIGTERM are handled at once, not when the compiler
-    returns (minutes, for a VAE decode)."""
-    import threading
-
-    result: dict = {}
-
-    def target():
-        try:
-            result["value"] = work()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the waiting thread
-            result["error"] = exc
-
-    thread = threading.Thread(target=target, name="plan-compile", daemon=True)
-    start = time.perf_counter()
-    _PROGRESS["compiling"] = f"{describe} for {topo}"
-    thread.start()
-    next_note = PROGRESS_EVERY
-    while thread.is_alive():
-        thread.join(timeout=0.5)
-        elapsed = time.perf_counter() - start
-        if thread.is_alive() and elapsed >= next_note:
-            log.info("still compiling %s for %s: %.0f s", describe, topo, elapsed)
-            next_note += PROGRESS_EVERY
-    _PROGRESS["compiling"] = None
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
-
-
-# What a plan in progress has done, for a stop by SIGINT/SIGTERM to report.
-_PROGRESS: dict = {"compiling": None, "stages": None}
-
-
-@contextlib.contextmanager
-def _no_persistent_cache():
-    """Planned programs are neither read from nor written to the compilation cache: they are for another
-    machine (a TPU executable can be 170 MB), and a cache hit would hide the compile time being measured. JAX
-    decides once per process whether the cache is used, so the decision is reset on the way in and out."""
-    import jax
-    from jax._src import compilation_cache
-
-    before = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_compilation_cache", before)
-        compilation_cache.reset_cache()
 
 
 # --- opening the model abstractly ------------------------------------------------------------------------------
