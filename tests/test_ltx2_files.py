@@ -15,11 +15,11 @@ from tpu_runtime.families.ltx2.tiny import export_comfy_files
 SIZE = dict(height=64, width=96, num_frames=9)
 
 
-@pytest.fixture(scope="module")
-def ltx2_files(tiny_ltx2, tmp_path_factory):
-    folder = tiny_ltx2["2.0"]
+@pytest.fixture(scope="module", params=["2.0", "2.3"])
+def ltx2_files(request, tiny_ltx2, tmp_path_factory):
+    folder = tiny_ltx2[request.param]
     files = export_comfy_files(folder, tmp_path_factory.mktemp("ltx2_files"))
-    return folder, dict(files, tokenizer=folder / "tokenizer")
+    return folder, files
 
 
 def _generate(model):
@@ -32,7 +32,8 @@ def _generate(model):
 def test_files_give_the_folders_frames_and_sound(ltx2_files):
     folder, files = ltx2_files
     from_files = registry.open_model(files=files, dtype="float32")
-    assert from_files.FAMILY == "ltx2" and from_files.generation == "2.0"
+    assert from_files.FAMILY == "ltx2"
+    assert from_files.generation == registry.open_model(str(folder)).generation
     for component in ("transformer", "connectors", "vae", "audio_vae", "vocoder"):
         from_folder_config = registry.open_model(str(folder)).configs[component]
         for k, v in from_files.configs[component].items():
@@ -45,8 +46,26 @@ def test_files_give_the_folders_frames_and_sound(ltx2_files):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
 
 
-def test_wrong_and_damaged_files_are_refused(ltx2_files, tmp_path):
+def test_tokenizer_from_the_file_or_a_folder(ltx2_files, tmp_path):
+    """ComfyUI's Gemma file carries its SentencePiece model: it tokenizes as the folder's tokenizer; a file
+    without it takes a tokenizer folder, and without either it is refused, naming the file."""
+    from tpu_runtime.families.ltx2.model import LTX2Family
+
     folder, files = ltx2_files
+    texts = ["a red ball bounces", "", "A Red BALL, 42!  héllo"]
+    want = LTX2Family(folder).tokenize(texts)
+    for got in (LTX2Family(files=files).tokenize(texts),
+                LTX2Family(files=dict(files, tokenizer=folder / "tokenizer")).tokenize(texts)):
+        for x, y in zip(got, want):
+            assert torch.equal(x, y)
+    bare = export_comfy_files(folder, tmp_path / "bare", tokenizer=False)
+    with pytest.raises(InputError, match="gemma_tiny.*spiece_model"):
+        LTX2Family(files=bare)
+    assert torch.equal(LTX2Family(files=dict(bare, tokenizer=folder / "tokenizer")).tokenize(texts)[0], want[0])
+
+
+def test_wrong_and_damaged_files_are_refused(ltx2_files, tmp_path):
+    _, files = ltx2_files
     # the Gemma file given as the checkpoint: not recognised as LTX-2 and not loaded
     with pytest.raises((InputError, ModelFolderError), match="gemma_tiny"):
         registry.open_model(files=dict(files, checkpoint=files["text_encoder"]))
@@ -61,8 +80,46 @@ def test_wrong_and_damaged_files_are_refused(ltx2_files, tmp_path):
 
     with pytest.raises(ModelFolderError, match="cut.safetensors"):
         LTX2Family(files=dict(files, checkpoint=cut))
-    # a Wan transformer file where the checkpoint goes
+    cut_text = tmp_path / "cut_gemma.safetensors"
+    data = files["text_encoder"].read_bytes()
+    cut_text.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ModelFolderError, match="cut_gemma.safetensors"):
+        LTX2Family(files=dict(files, text_encoder=cut_text))
+    # a file of another model (a Wan transformer's names) where the checkpoint goes
+    from safetensors.torch import save_file
+
+    wan = tmp_path / "wan2.1_t2v.safetensors"
+    save_file({"model.diffusion_model.head.modulation": torch.zeros(1, 2, 4),
+               "model.diffusion_model.patch_embedding.weight": torch.zeros(4, 16, 1, 2, 2)}, str(wan))
+    with pytest.raises(ModelFolderError, match="wan2.1_t2v.safetensors is not an LTX-2 checkpoint"):
+        LTX2Family(files=dict(files, checkpoint=wan))
+    # a file that is not safetensors at all
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"not a safetensors file at all")
     with pytest.raises(ModelFolderError, match="junk.safetensors"):
         LTX2Family(files=dict(files, checkpoint=junk))
+
+
+def test_files_loader_node(ltx2_files, tmp_path, monkeypatch):
+    """The LTX-2 ModelFilesLoader node (made from the spec's file roles) lists ComfyUI's folders and loads the
+    files as the family does."""
+    import shutil
+
+    from nodes import NODE_CLASS_MAPPINGS
+
+    _, files = ltx2_files
+    root = tmp_path / "models"
+    for role, kind in (("checkpoint", "checkpoints"), ("text_encoder", "text_encoders"),
+                       ("latent_upscaler", "latent_upscale_models")):
+        (root / kind).mkdir(parents=True)
+        shutil.copy(files[role], root / kind / files[role].name)
+    monkeypatch.setenv("TPU_VIDEO_MODEL_DIRS", str(root))
+    node = NODE_CLASS_MAPPINGS["TPULTX2ModelFilesLoader"]
+    inputs = node.INPUT_TYPES()
+    assert inputs["required"]["checkpoint"][0] == [files["checkpoint"].name]
+    assert inputs["required"]["text_encoder"][0] == [files["text_encoder"].name]
+    assert files["latent_upscaler"].name in inputs["optional"]["latent_upscaler"][0]
+    (model,) = node().load(files["checkpoint"].name, files["text_encoder"].name, "float32",
+                           latent_upscaler=files["latent_upscaler"].name)
+    assert model.FAMILY == "ltx2" and model.upsampler_path.name == files["latent_upscaler"].name
+    assert model.configs == registry.open_model(files=files, dtype="float32").configs

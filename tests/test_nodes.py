@@ -28,6 +28,7 @@ EXPECTED = {
     "TPUWanSampler": ("LATENT",),
     "TPUWanDecode": ("IMAGE",),
     "TPULTX2Loader": ("TPU_LTX2_MODEL",),
+    "TPULTX2ModelFilesLoader": ("TPU_LTX2_MODEL",),
     "TPULTX2TextEncode": ("TPU_LTX2_EMBEDS",),
     "TPULTX2ImageEncode": ("TPU_LTX2_IMAGE",),
     "TPULTX2LoRA": ("TPU_LTX2_MODEL",),

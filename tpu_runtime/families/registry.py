@@ -104,11 +104,16 @@ def demos() -> dict[str, tuple[FamilySpec, Demo]]:
 # --- opening a model -----------------------------------------------------------------------------------------
 def file_roles() -> dict:
     """Every single-file role any family loads, by name (the CLI's single-file options)."""
-    roles = {}
+    import dataclasses
+
+    roles, helps = {}, {}
     for spec in FAMILIES:
         for role in spec.file_roles:
             roles.setdefault(role.name, role)
-    return roles
+            helps.setdefault(role.name, []).append(f"{spec.display_name}: {role.help}")
+    # a role two families share (--text-encoder) says what each of them takes
+    return {name: role if len(helps[name]) == 1 else dataclasses.replace(role, help="; ".join(helps[name]))
+            for name, role in roles.items()}
 
 
 def spec_for_folder(path: Path, index: dict) -> FamilySpec:
@@ -151,10 +156,11 @@ def open_model(model: str | None = None, files: dict[str, str | Path] | None = N
         raise InputError(f"give --model or the single files ({flags(files)}), not both")
     if files:
         spec = spec_for_files(files)
-        missing = [r.name for r in spec.file_roles if r.required and r.name not in files]
+        own = {r.name: r for r in spec.file_roles}
+        missing = [n for n, r in own.items() if r.required and n not in files]
         if missing:
             raise InputError(f"single-file {spec.display_name} needs {flags(missing)} too ("
-                             + "; ".join(roles[n].help for n in missing) + ")")
+                             + "; ".join(own[n].help for n in missing) + ")")
         return family_class(spec)(files=files, **options)
     if not model:
         singles = "; ".join(f"{s.display_name}: {flags([r.name for r in s.file_roles if r.required])}"

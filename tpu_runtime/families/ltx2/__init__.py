@@ -41,12 +41,12 @@ SPEC = FamilySpec(
                  "LTX-2's all-in-one checkpoint (transformer, connectors, VAEs, vocoder), models/checkpoints/, "
                  "e.g. ltx-2-19b-dev.safetensors"),
         FileRole("text_encoder", "--text-encoder", "text_encoders", True,
-                 "the text encoder, models/text_encoders/ (Wan: umt5_xxl_*; LTX-2: gemma_3_12B_it)"),
+                 "the Gemma 3 text encoder, models/text_encoders/gemma_3_12B_it*.safetensors"),
         FileRole("latent_upscaler", "--latent-upscaler", "latent_upscale_models", False,
                  "LTX-2 two-stage generation: the spatial upscaler, models/latent_upscale_models/"
                  "ltx-2-spatial-upscaler-x2-1.0.safetensors"),
         FileRole("tokenizer", "--tokenizer", "text_encoders", False,
-                 "LTX-2: a Gemma tokenizer folder, only for a text-encoder file without its tokenizer inside"),
+                 "LTX-2: a Gemma tokenizer folder, only for a Gemma file without its tokenizer inside"),
     ),
     recognise_files="files:recognise",
     message_types=("files:LTX2Files",),

@@ -98,7 +98,7 @@ CONNECTOR_NAMES = (  # ComfyUI / ltx-core -> diffusers LTX2TextConnectors (2.0)
     (TRANSFORMER + "audio_embeddings_connector.", "audio_connector."),
 )
 VOCODER_NAMES = (("conv_pre.", "conv_in."), ("ups.", "upsamplers."), ("resblocks.", "resnets."),
-                 ("conv_post.", "conv_out."))
+                 ("conv_post.", "conv_out."), ("act_post.", "act_out."))
 
 
 def connector_name(key: str) -> str | None:
@@ -110,11 +110,40 @@ def connector_name(key: str) -> str | None:
 
 
 def vocoder_name(key: str) -> str:
+    """ComfyUI's vocoder name -> diffusers': HiFi-GAN (2.0: ``vocoder.conv_pre`` ...) or, with band extension (2.3),
+    BigVGAN under ``vocoder.vocoder.`` and ``vocoder.bwe_generator.`` beside ``vocoder.mel_stft.``."""
     rest = key[len("vocoder."):]
+    outer = ""
+    for sub in ("vocoder.", "bwe_generator."):
+        if rest.startswith(sub):
+            outer, rest = sub, rest[len(sub):]
     for old, new in VOCODER_NAMES:
         if rest.startswith(old):
-            return new + rest[len(old):]
-    return rest
+            rest = new + rest[len(old):]
+            break
+    return outer + rest.replace(".downsample.lowpass.filter", ".downsample.filter")
+
+
+def _vae_name(key: str, encoder_blocks: int) -> str:
+    """ComfyUI's video VAE name -> diffusers', for any number of stages (diffusers' converter knows the 2.0 VAE's
+    four down and three up stages; 2.3's decoder has four): blocks alternate stage, re-sampler; the encoder's
+    last block and the decoder's first are the mid blocks."""
+    rest = key[len("vae."):].replace(".res_blocks.", ".resnets.")
+    if rest.startswith("per_channel_statistics."):
+        return {"mean-of-means": "latents_mean", "std-of-means": "latents_std"}.get(rest.split(".", 1)[1], rest)
+    m = re.match(r"(encoder|decoder)\.(down|up)_blocks\.(\d+)\.(.*)", rest)
+    if not m:
+        return rest
+    part, _, n, tail = m.groups()
+    n = int(n)
+    if part == "encoder":
+        if n == encoder_blocks - 1:
+            return f"encoder.mid_block.{tail}"
+        return f"encoder.down_blocks.{n // 2}.{tail}" if n % 2 == 0 else \
+            f"encoder.down_blocks.{n // 2}.downsamplers.0.{tail}"
+    if n == 0:
+        return f"decoder.mid_block.{tail}"
+    return f"decoder.up_blocks.{n // 2}.upsamplers.0.{tail}" if n % 2 else f"decoder.up_blocks.{n // 2 - 1}.{tail}"
 
 
 def checkpoint_names(path: Path) -> dict[str, dict[str, str]]:
@@ -131,9 +160,15 @@ def checkpoint_names(path: Path) -> dict[str, dict[str, str]]:
             names["connectors"][k] = c
     # diffusers' converters rename by substring: run them on the names alone (values are the original keys).
     transformer = {k: k for k in keys if k.startswith(TRANSFORMER) and k not in names["connectors"]}
-    names["transformer"] = {v: new for new, v in convert_ltx2_transformer_to_diffusers(transformer).items()}
-    names["vae"] = {v: new for new, v in convert_ltx2_vae_to_diffusers(
-        {k: k for k in keys if k.startswith("vae.")}).items()}
+    names["transformer"] = {v: re.sub(r"^(audio_)?prompt_adaln_single\.", r"\1prompt_adaln.", new)  # 2.3
+                            for new, v in convert_ltx2_transformer_to_diffusers(transformer).items()}
+    vae = [k for k in keys if k.startswith("vae.")]
+    encoder_blocks = _count(vae, r"vae\.encoder\.down_blocks\.(\d+)\.")
+    if encoder_blocks <= 9 and _count(vae, r"vae\.decoder\.up_blocks\.(\d+)\.") <= 7:  # diffusers' converter's
+        names["vae"] = {v: new for new, v in convert_ltx2_vae_to_diffusers({k: k for k in vae}).items()}
+    else:
+        names["vae"] = {k: _vae_name(k, encoder_blocks) for k in vae
+                        if not k.endswith(("per_channel_statistics.channel", "per_channel_statistics.mean-of-stds"))}
     names["audio_vae"] = {v: new for new, v in convert_ltx2_audio_vae_to_diffusers(
         {k: k for k in keys if k.startswith("audio_vae.")}).items()}
     names["vocoder"] = {k: vocoder_name(k) for k in keys if k.startswith("vocoder.")}
@@ -182,6 +217,9 @@ def checkpoint_configs(path: Path) -> tuple[dict[str, dict], dict[str, dict[str,
         audio_cross_attention_dim=need("transformer", "transformer_blocks.0.audio_attn2.to_k.weight")[1],
         gated_attn="transformer_blocks.0.attn1.to_gate_logits.weight" in t,
         audio_gated_attn="transformer_blocks.0.audio_attn1.to_gate_logits.weight" in t,
+        cross_attn_mod="transformer_blocks.0.prompt_scale_shift_table" in t,
+        audio_cross_attn_mod="transformer_blocks.0.audio_prompt_scale_shift_table" in t,
+        perturbed_attn="transformer_blocks.0.attn1.to_gate_logits.weight" in t,  # 2.3 (no weights of its own)
         use_prompt_embeddings="caption_projection.linear_1.weight" in t)
     if "caption_projection.linear_1.weight" in t:
         transformer["caption_channels"] = t["caption_projection.linear_1.weight"][1]
@@ -200,6 +238,10 @@ def checkpoint_configs(path: Path) -> tuple[dict[str, dict], dict[str, dict[str,
         video_connector_num_learnable_registers=v_width[0], audio_connector_num_learnable_registers=a_width[0],
         **_connector_heads("video", v_width[1]), **_connector_heads("audio", a_width[1]),
         per_modality_projections=per_modality,
+        **({"video_hidden_dim": proj[0], "audio_hidden_dim": need("connectors", "audio_text_proj_in.weight")[0]}
+           if per_modality else {}),
+        video_gated_attn="video_connector.transformer_blocks.0.attn1.to_gate_logits.weight" in c,
+        audio_gated_attn="audio_connector.transformer_blocks.0.attn1.to_gate_logits.weight" in c,
         proj_bias=("video_text_proj_in.bias" if per_modality else "text_proj_in.bias") in c)
 
     v = shape["vae"]
@@ -208,12 +250,17 @@ def checkpoint_configs(path: Path) -> tuple[dict[str, dict], dict[str, dict[str,
     up = _count(v, r"decoder\.up_blocks\.(\d+)\.")
     vae.update(
         latent_channels=need("vae", "latents_mean")[0],
+        # a stage's blocks run at the previous stage's width (its down-sampler widens): the widths are those of
+        # stages 1.. and of the mid block; the decoder's, those of its mid block and its stages but the last
         block_out_channels=[need("vae", f"encoder.down_blocks.{i}.resnets.0.conv1.conv.weight")[0]
-                            for i in range(stages)],
+                            for i in range(1, stages)] + [need("vae", "encoder.mid_block.resnets.0.conv1.conv.weight")[0]],
         layers_per_block=[_count(v, rf"encoder\.down_blocks\.{i}\.resnets\.(\d+)\.") for i in range(stages)]
         + [_count(v, r"encoder\.mid_block\.resnets\.(\d+)\.")],
-        decoder_block_out_channels=[need("vae", f"decoder.up_blocks.{i}.resnets.0.conv1.conv.weight")[0]
-                                    for i in reversed(range(up))],
+        decoder_block_out_channels=list(reversed(
+            [need("vae", "decoder.mid_block.resnets.0.conv1.conv.weight")[0]]
+            + [need("vae", f"decoder.up_blocks.{i}.resnets.0.conv1.conv.weight")[0] for i in range(up - 1)])),
+        decoder_spatio_temporal_scaling=[True] * up, decoder_inject_noise=[False] * (up + 1),
+        spatial_compression_ratio=32, temporal_compression_ratio=8,  # every released LTX-2 VAE
         decoder_layers_per_block=[_count(v, rf"decoder\.up_blocks\.{i}\.resnets\.(\d+)\.") for i in reversed(range(up))]
         + [_count(v, r"decoder\.mid_block\.resnets\.(\d+)\.")])
     a = shape["audio_vae"]
@@ -223,18 +270,23 @@ def checkpoint_configs(path: Path) -> tuple[dict[str, dict], dict[str, dict[str,
                      if "decoder.conv_in.conv.weight" in a else audio_vae["latent_channels"])
     o = shape["vocoder"]
     vocoder = _defaults(LTX2Vocoder)
-    conv_in = need("vocoder", "conv_in.weight")
-    ups = _count(o, r"upsamplers\.(\d+)\.")
+    bwe = "vocoder.conv_in.weight" in o
+    if bwe:
+        from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE
+
+        vocoder = _defaults(LTX2VocoderWithBWE)
+    conv_in = need("vocoder", ("vocoder." if bwe else "") + "conv_in.weight")
+    ups = _count(o, r"(?:vocoder\.)?upsamplers\.(\d+)\.")
+    head = "vocoder." if bwe else ""
     vocoder.update(in_channels=conv_in[1], hidden_channels=conv_in[0],
-                   out_channels=need("vocoder", "conv_out.weight")[0],
-                   upsample_kernel_sizes=[need("vocoder", f"upsamplers.{i}.weight")[2] for i in range(ups)])
+                   out_channels=need("vocoder", head + "conv_out.weight")[0],
+                   upsample_kernel_sizes=[need("vocoder", f"{head}upsamplers.{i}.weight")[2] for i in range(ups)])
     configs = {"transformer": transformer, "connectors": connectors, "vae": vae, "audio_vae": audio_vae,
                "vocoder": vocoder}
     for component, override in metadata_configs(path).items():
         if component in configs:
             configs[component].update({k: v for k, v in override.items() if not k.startswith("_")})
-    configs["vocoder_class"] = {"name": "LTX2VocoderWithBWE" if "bwe_generator.conv_in.weight" in o
-                                or any(k.startswith("bwe") for k in o) else "LTX2Vocoder"}
+    configs["vocoder_class"] = {"name": "LTX2VocoderWithBWE" if bwe else "LTX2Vocoder"}
     return configs, names
 
 
@@ -288,7 +340,7 @@ def spiece_model(path: Path) -> bytes | None:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        return f.get_tensor("spiece_model").numpy().tobytes() if "spiece_model" in f.keys() else None
+        return f.get_tensor("spiece_model").numpy().tobytes() if "spiece_model" in f.keys() else None  # noqa: SIM118 (safe_open has no __contains__)
 
 
 class GemmaSentencePieceTokenizer:
@@ -324,8 +376,8 @@ def upscaler_names(path: Path) -> tuple[dict, dict[str, str]]:
 
     path = Path(path)
     header = read_header(path, "LTX-2 latent upscaler")
-    if "initial_conv.weight" not in header or "upsampler.conv.weight" not in header:
-        raise ModelFolderError(f"{path} is not an LTX-2 spatial latent upscaler (no initial_conv / upsampler.conv "
+    if "initial_conv.weight" not in header or "final_conv.weight" not in header:
+        raise ModelFolderError(f"{path} is not an LTX-2 spatial latent upscaler (no initial_conv / final_conv "
                                "tensors): pick ltx-2-spatial-upscaler-x2 from ComfyUI's models/latent_upscale_models/")
     mid, in_ch = header["initial_conv.weight"][0][:2]
     config = _defaults(LTX2LatentUpsamplerModel)

@@ -242,7 +242,8 @@ def _vae_to_original(name: str) -> str:
 
 
 _VAE_STAGES = {"encoder": 4}
-_TRANSFORMER_TO_ORIGINAL = (("audio_time_embed.", "audio_adaln_single."), ("time_embed.", "adaln_single."),
+_TRANSFORMER_TO_ORIGINAL = (("audio_time_embed.", "audio_adaln_single."), ("prompt_adaln.", "prompt_adaln_single."),
+                            ("audio_prompt_adaln.", "audio_prompt_adaln_single."), ("time_embed.", "adaln_single."),
                             ("audio_proj_in.", "audio_patchify_proj."), ("proj_in.", "patchify_proj."),
                             ("av_cross_attn_video_scale_shift.", "av_ca_video_scale_shift_adaln_single."),
                             ("av_cross_attn_video_a2v_gate.", "av_ca_a2v_gate_adaln_single."),
@@ -274,18 +275,52 @@ def _connector_to_original(name: str) -> str:
 def _vocoder_to_original(name: str) -> str:
     from .files import VOCODER_NAMES
 
+    outer = ""
+    for sub in ("vocoder.", "bwe_generator."):
+        if name.startswith(sub):
+            outer, name = sub, name[len(sub):]
     for original, new in VOCODER_NAMES:
         if name.startswith(new):
-            return "vocoder." + original + name[len(new):]
-    return "vocoder." + name
+            name = original + name[len(new):]
+            break
+    return "vocoder." + outer + name.replace(".downsample.filter", ".downsample.lowpass.filter")
 
 
-def export_comfy_files(folder: str | Path, out: str | Path, dtype: str = "fp32") -> dict[str, Path]:
+def gemma_spiece_model(tokenizer_folder: str | Path) -> bytes:
+    """A SentencePiece model that tokenizes as the tiny Gemma tokenizer (``build_tokenizer``) does: its pieces in
+    id order, BPE with no merges (every piece one character), byte fallback, whitespace escaped to ``▁`` and no
+    dummy prefix, as Gemma's own model; ComfyUI's Gemma file carries its tokenizer so (``spiece_model``)."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+    from transformers import AutoTokenizer
+
+    vocab = sorted(AutoTokenizer.from_pretrained(tokenizer_folder).get_vocab().items(), key=lambda kv: kv[1])
+    if [i for _, i in vocab] != list(range(len(vocab))):
+        raise ValueError("the tokenizer's ids are not contiguous")
+    model = pb.ModelProto()
+    kind = pb.ModelProto.SentencePiece.Type
+    for piece, _ in vocab:
+        entry = model.pieces.add()
+        entry.piece = piece
+        entry.type = (kind.CONTROL if piece in ("<pad>", "<eos>", "<bos>", "<mask>") else kind.UNKNOWN
+                      if piece == "<unk>" else kind.BYTE if piece.startswith("<0x") and len(piece) == 6 else kind.NORMAL)
+    spec = model.trainer_spec
+    spec.model_type, spec.byte_fallback, spec.vocab_size = pb.TrainerSpec.BPE, True, len(vocab)
+    spec.pad_id, spec.eos_id, spec.bos_id, spec.unk_id = 0, 1, 2, 3
+    model.normalizer_spec.name = "identity"
+    model.normalizer_spec.add_dummy_prefix = False
+    model.normalizer_spec.escape_whitespaces = True
+    model.normalizer_spec.remove_extra_whitespaces = False
+    return model.SerializeToString()
+
+
+def export_comfy_files(folder: str | Path, out: str | Path, dtype: str = "fp32",
+                       tokenizer: bool = True) -> dict[str, Path]:
     """Write a tiny LTX-2 diffusers folder as ComfyUI's single files: the all-in-one checkpoint (transformer,
     connectors, video and audio VAE, vocoder in ComfyUI's names), Gemma 3 as ComfyUI's text-encoder file, and the
     latent upscaler. What the shapes cannot tell (the tiny models' head counts, Gemma pattern, VAE and vocoder
     strides) goes into the ``tpu_runtime.diffusers_configs`` metadata: exactly the fields where the architecture
-    read from the shapes differs from the folder's configs. Returns {"checkpoint", "text_encoder",
+    read from the shapes differs from the folder's configs. ``tokenizer``: the Gemma file carries its tokenizer
+    (``spiece_model``, as ComfyUI's does). Returns {"checkpoint", "text_encoder",
     ["latent_upscaler"]} -> path."""
     import json
 
@@ -334,6 +369,9 @@ def export_comfy_files(folder: str | Path, out: str | Path, dtype: str = "fp32")
     gemma = load("text_encoder")
     text = {"model." + k[len("language_model.model."):]: v for k, v in gemma.items()
             if k.startswith("language_model.model.")}
+    if tokenizer:
+        spm = gemma_spiece_model(folder / "tokenizer")
+        text["spiece_model"] = torch.frombuffer(bytearray(spm), dtype=torch.uint8)
     paths["text_encoder"] = out / f"gemma_tiny_{dtype}.safetensors"
     save_file(text, str(paths["text_encoder"]))
     true = json.loads((folder / "text_encoder" / "config.json").read_text())["text_config"]
