@@ -255,7 +255,7 @@ def test_plan_compiles_the_ltx2_step_for_v6e8_with_every_guidance_pass():
     from tpu_runtime.tools.plan import ModelSource, open_abstract, parse_topology, plan
 
     layers = 1
-    report = plan(ModelSource("ltx2-19b"), "v6e-8", height=256, width=384, frames=25, mesh="dp=2,sp=1,tp=4",
+    report = plan(ModelSource("ltx2-19b"), "v6e-8", height=128, width=192, frames=9, mesh="dp=2,sp=1,tp=4",
                   stages=("sample",), layers=layers)
     sample = report.stages["sample"]
     assert sample.compiled, sample.error

@@ -23,7 +23,7 @@ GENERATION = {"cogvideox_2b_t2v_tpu.json": "2b", "cogvideox_5b_t2v_tpu.json": "5
               "wan2.1_i2v_480p_14B_tpu.json": "wan-2.1-I2V-480P", "wan2.1_i2v_720p_14B_tpu.json": "wan-2.1-I2V-720P",
               "wan2.1_flf2v_720p_14B_tpu.json": "wan-2.1-FLF2V", "wan2.2_i2v_a14b_tpu.json": "wan-2.2-I2V-A14B",
               "wan2.2_ti2v_5b_i2v_tpu.json": "wan-2.2-TI2V-5B",
-              "ltx2_t2v_two_stage_tpu.json": "ltx-2", "ltx2_i2v_tpu.json": "ltx-2"}
+              "ltx2_t2v_two_stage_tpu.json": "ltx-2", "ltx2_i2v_tpu.json": "ltx-2", "ltx2_t2v_tpu.json": "ltx-2"}
 NATIVE = {"2b": (720, 480, 49), "5b": (720, 480, 49), "1.5": (1360, 768, 81), "wan-2.1-1.3B": (832, 480, 81),
           "wan-2.1-14B": (1280, 720, 81), "wan-2.2-A14B": (1280, 720, 81), "wan-2.2-TI2V-5B": (1280, 704, 121),
           "5b-I2V": (720, 480, 49), "1.5-I2V": (1360, 768, 81), "wan-2.1-I2V-480P": (832, 480, 81),
