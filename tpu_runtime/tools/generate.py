@@ -281,8 +281,8 @@ def two_stage_settings(family, settings):
     if not hasattr(family, "upsample"):
         raise InputError(f"--two-stage is LTX-2's recipe; {family.label} is a {family.FAMILY_NAME} model: leave it out")
     if getattr(family, "upsampler_path", None) is None:
-        raise InputError(f"--two-stage needs the spatial latent upsampler: {family.label} has no latent_upsampler/ "
-                         "folder; give its folder with --upsampler")
+        raise InputError(f"--two-stage needs the spatial latent upsampler: {family.label} has none; give its folder "
+                         "with --upsampler (with single files: --latent-upscaler FILE)")
     m = 2 * family.vae_scale_spatial
     if settings.height % m or settings.width % m:
         raise InputError(f"--two-stage samples at half the size first: height and width must be multiples of {m} "

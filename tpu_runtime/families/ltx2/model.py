@@ -81,8 +81,8 @@ class LTX2Family(LTX2Programs, ModelFamily):
                  fsdp: bool = False, vae_sharding: str = "auto", target_devices=None, index: dict | None = None,
                  layers: int | None = None, upsampler: str | Path | None = None):
         if (path is None) == (files is None):
-            raise InputError("give either an LTX-2 diffusers folder or the single files (checkpoint, text encoder), "
-                             "not both")
+            raise InputError("give an LTX-2 diffusers folder or its single files (checkpoint, text encoder): one of "
+                             "the two")
         self.files = None
         self._names: dict[str, dict[str, str]] = {}
         self._upscaler_config = None
