@@ -76,3 +76,28 @@ def test_cogvideox_loads_without_accelerate_and_says_nothing_of_it(tiny_models):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["OK", "True", "False"]
     assert "accelerate" not in proc.stderr.lower()
+
+
+def test_scaled_fp8_formats_are_weight_times_scale(tmp_path):
+    """Both ways ComfyUI stores scaled fp8 load as weight x scale: the older ``scale_weight`` (0-dim) and the
+    per-layer ``weight_scale`` (0-dim or one per output row); scales, ``input_scale``, ``comfy_quant`` records and
+    markers are not weights; a parameter merely named ``weight_scale`` (no ``.weight`` beside it) still is one."""
+    import json
+
+    from safetensors.torch import save_file
+
+    w = torch.tensor([[1.0, -2.0], [0.5, 4.0], [3.0, 0.25]]).to(torch.float8_e4m3fn)
+    row = torch.tensor([2.0, 0.5, 0.25])
+    save_file({"a.weight": w.clone(), "a.scale_weight": torch.tensor(0.125), "a.scale_input": torch.tensor(1.0),
+               "scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn),
+               "b.weight": w.clone(), "b.weight_scale": torch.tensor(4.0), "b.input_scale": torch.tensor(1.0),
+               "b.comfy_quant": torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()),
+                                             dtype=torch.uint8),
+               "c.weight": w.clone(), "c.weight_scale": row, "norm.weight_scale": torch.tensor([3.0])},
+              str(tmp_path / "q.safetensors"))
+    source = TensorSource([tmp_path / "q.safetensors"])
+    assert sorted(source.keys()) == ["a.weight", "b.weight", "c.weight", "norm.weight_scale"]
+    torch.testing.assert_close(source.get("a.weight", torch.float32), w.float() * 0.125)
+    torch.testing.assert_close(source.get("b.weight", torch.float32), w.float() * 4.0)
+    torch.testing.assert_close(source.get("c.weight", torch.bfloat16), (w.float() * row[:, None]).bfloat16())
+    torch.testing.assert_close(source.get("norm.weight_scale", torch.float32), torch.tensor([3.0]))

@@ -123,3 +123,57 @@ def test_files_loader_node(ltx2_files, tmp_path, monkeypatch):
                            latent_upscaler=files["latent_upscaler"].name)
     assert model.FAMILY == "ltx2" and model.upsampler_path.name == files["latent_upscaler"].name
     assert model.configs == registry.open_model(files=files, dtype="float32").configs
+
+
+def test_fp8_files_give_the_frames_and_sound_of_the_weights_they_hold(tmp_path_factory):
+    """LTX-2's fp8 files (the transformer blocks' and Gemma's layers' matrices in float8_e4m3fn, ComfyUI's
+    per-layer format: a ``weight_scale`` and ``input_scale`` per layer, the format as ``.comfy_quant`` tensors in
+    the checkpoint and as ``_quantization_metadata`` in the Gemma file) are dequantised to weight x scale: the
+    frames, waveform and upsampled latents equal the folder whose matrices are those fp8 values. The scales are not
+    1, so a loader that dropped them could not pass."""
+    from tpu_runtime.engine.weights import read_header
+    from tpu_runtime.families.ltx2.tiny import build_tiny_ltx2
+
+    folder = build_tiny_ltx2(tmp_path_factory.mktemp("ltx2_fp8") / "ltx2", "2.0", seed=9, fp8=True)
+    files = export_comfy_files(folder, tmp_path_factory.mktemp("ltx2_fp8_files"), dtype="fp8")
+    header = read_header(files["checkpoint"])
+    block = "model.diffusion_model.transformer_blocks.0.attn1.to_q"
+    assert header[f"{block}.weight"][1] == "F8_E4M3" and f"{block}.comfy_quant" in header
+    from safetensors import safe_open
+
+    with safe_open(str(files["checkpoint"]), framework="pt") as f:
+        scales = {float(f.get_tensor(k)) for k in f.keys() if k.endswith(".weight_scale")}  # noqa: SIM118
+    assert len(scales) > 1 and 1.0 not in scales
+    with safe_open(str(files["text_encoder"]), framework="pt") as f:
+        assert "_quantization_metadata" in f.metadata()
+        assert f.get_slice("model.layers.0.self_attn.q_proj.weight").get_dtype() == "F8_E4M3"
+    a = _generate(registry.open_model(files=files, dtype="float32"))
+    b = _generate(registry.open_model(str(folder), dtype="float32"))
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
+def test_nvfp4_and_unknown_quantisations_are_refused_when_opened(ltx2_files, tmp_path):
+    """ComfyUI's 4-bit files (NVFP4: uint8-packed weights with ``weight_scale_2``) and a format this pack does not
+    know in ``_quantization_metadata`` are refused when the model is opened, naming the file and the fix."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    _, files = ltx2_files
+    state = load_file(str(files["checkpoint"]))
+    layer = "model.diffusion_model.transformer_blocks.0.attn1.to_q"
+    rows, cols = state[f"{layer}.weight"].shape
+    state[f"{layer}.weight"] = torch.zeros(rows, cols // 2, dtype=torch.uint8)
+    state[f"{layer}.weight_scale"] = torch.ones(rows, cols // 16, dtype=torch.float8_e4m3fn)
+    state[f"{layer}.weight_scale_2"] = torch.tensor(1.0)
+    fp4 = tmp_path / "ltx-2-19b-dev-fp4.safetensors"
+    save_file(state, str(fp4))
+    with pytest.raises(ModelFolderError, match="ltx-2-19b-dev-fp4.safetensors is quantised as NVFP4.*bf16, fp16 or fp8"):
+        registry.open_model(files=dict(files, checkpoint=fp4))
+    text = load_file(str(files["text_encoder"]))
+    int8 = tmp_path / "gemma_int8.safetensors"
+    save_file(text, str(int8), metadata={"_quantization_metadata": json.dumps(
+        {"layers": {"model.layers.0.self_attn.q_proj": {"format": "int8_blockwise", "group_size": 128}}})})
+    with pytest.raises(ModelFolderError, match="gemma_int8.safetensors is quantised as int8_blockwise"):
+        registry.open_model(files=dict(files, text_encoder=int8))

@@ -90,21 +90,53 @@ def finish(directory: Path, model_index: dict, label: str, seed: int) -> Path:
     return directory
 
 
+def fp8_quantise(t):
+    """(float8_e4m3fn values, 0-dim float32 scale) of matrix ``t``, the scale a power of two near absmax / 448:
+    a matrix ``exact(t, fp8=True)`` rounded is held exactly."""
+    import torch
+
+    scale = 2.0 ** torch.round(torch.log2(t.float().abs().max() / 448.0))
+    return (t.float() / scale).to(torch.float8_e4m3fn), scale.reshape(()).float()
+
+
 def fp8_scaled(tensors: dict) -> dict:
-    """ComfyUI's "scaled" fp8: matrices as float8_e4m3fn with a 0-dim float32 ``scale_weight``, plus the marker."""
+    """ComfyUI's older "scaled" fp8: matrices as float8_e4m3fn with a 0-dim float32 ``scale_weight``, plus the
+    marker."""
     import torch
 
     out = {}
     for key, t in tensors.items():
         if t.ndim == 2 and key.endswith(".weight") and t.abs().max() > 0:
-            scale = 2.0 ** torch.round(torch.log2(t.float().abs().max() / 448.0))
-            out[key] = (t.float() / scale).to(torch.float8_e4m3fn)
-            out[key[: -len("weight")] + "scale_weight"] = scale.reshape(()).float()
+            out[key], out[key[: -len("weight")] + "scale_weight"] = fp8_quantise(t)
         else:
             out[key] = t
     out["scaled_fp8"] = torch.zeros(0, dtype=torch.float8_e4m3fn)
     return out
 
+
+def fp8_per_layer(tensors: dict, quantise, in_metadata: bool = False) -> tuple[dict, dict]:
+    """ComfyUI's per-layer quantisation format (its fp8 LTX-2 checkpoints): each matrix ``quantise(key)`` picks
+    as float8_e4m3fn with ``<layer>.weight_scale`` and ``<layer>.input_scale`` (float32, 0-dim), the layer's
+    format as a ``<layer>.comfy_quant`` JSON tensor or, with ``in_metadata``, in the file's
+    ``_quantization_metadata``. Returns (tensors, safetensors metadata)."""
+    import json
+
+    import torch
+
+    out, layers = {}, {}
+    for key, t in tensors.items():
+        if t.ndim == 2 and key.endswith(".weight") and quantise(key) and t.abs().max() > 0:
+            layer = key[: -len(".weight")]
+            out[key], out[f"{layer}.weight_scale"] = fp8_quantise(t)
+            out[f"{layer}.input_scale"] = torch.tensor(1.0)
+            layers[layer] = {"format": "float8_e4m3fn"}
+            if not in_metadata:
+                out[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps(layers[layer]).encode()),
+                                                           dtype=torch.uint8)
+        else:
+            out[key] = t
+    meta = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})} if in_metadata else {}
+    return out, meta
 
 
 LORA_FORMATS = ("comfy", "comfy_ab", "musubi", "diffusers")

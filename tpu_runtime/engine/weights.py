@@ -9,9 +9,13 @@ as its library) and assigned in place: host memory peaks at about one copy of th
 host work is one pass over the file. This serves diffusers folders (``*.safetensors``, sharded or not) and
 ComfyUI's single files alike; ``plan`` builds the same module and never reads a tensor.
 
-Quantised files: ``float8_e4m3fn``/``float8_e5m2`` tensors are upcast; ComfyUI's "scaled" fp8 files (a
-``scaled_fp8`` marker tensor and a 0-dim ``<layer>.scale_weight`` per Linear) hold ``weight * scale_weight``,
-which is what is loaded. Scale tensors and markers are consumed, not reported as unknown keys.
+Quantised files: ``float8_e4m3fn``/``float8_e5m2`` tensors are upcast. ComfyUI writes scaled fp8 two ways, and
+both hold ``weight * scale``, which is what is loaded: the older "scaled fp8" files (a ``scaled_fp8`` marker
+tensor, a 0-dim ``<layer>.scale_weight`` per Linear, maybe ``.scale_input``) and its per-layer format (the
+``<layer>.weight_scale`` beside each quantised weight, maybe ``.input_scale``, the layer's format in a
+``<layer>.comfy_quant`` JSON tensor or in the ``_quantization_metadata`` entry of the file's metadata: LTX-2's
+fp8 checkpoints). Scales, formats and markers are consumed, not reported as unknown keys. NVFP4 (4-bit, packed
+in uint8 with ``.weight_scale_2``) is refused when the file is opened: it is not dequantised here.
 """
 
 from __future__ import annotations
@@ -31,7 +35,24 @@ from ..errors import ModelFolderError
 log = logging.getLogger(__name__)
 
 FP8_MARKERS = ("scaled_fp8",)
-_SCALE_SUFFIXES = (".scale_weight", ".scale_input")
+# What quantised files keep beside a layer's ``.weight``: the older scaled-fp8 format's scales, and the per-layer
+# format's scales and format record.
+QUANT_SUFFIXES = (".scale_weight", ".scale_input", ".weight_scale", ".weight_scale_2", ".input_scale", ".comfy_quant")
+WEIGHT_SCALES = (".scale_weight", ".weight_scale")
+FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")
+
+
+def quant_aux(keys: Iterable[str]) -> set[str]:
+    """The keys of ``keys`` that are quantisation bookkeeping (markers, a layer's scales and format), not
+    weights: a scale counts only beside its layer's ``.weight``, so a parameter that happens to be named
+    ``weight_scale`` stays a weight."""
+    keys = set(keys)
+    aux = {k for k in keys if k in FP8_MARKERS}
+    for k in keys:
+        for suffix in QUANT_SUFFIXES:
+            if k.endswith(suffix) and f"{k[: -len(suffix)]}.weight" in keys:
+                aux.add(k)
+    return aux
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -107,7 +128,28 @@ def read_header(path: Path, what: str = "") -> dict[str, tuple[tuple[int, ...], 
             raise damaged(f"is cut short: it holds {data + 8 + size:,} bytes but its tensor {key} ends at byte "
                           f"{end + 8 + size:,} (an interrupted download?)")
         tensors[key] = (shape, dtype)
+    _check_quantisation(name, tensors, header.get("__metadata__") or {})
     return tensors
+
+
+def _check_quantisation(name: str, tensors: dict, metadata: dict) -> None:
+    """Refuse a quantisation this pack does not dequantise (ComfyUI's NVFP4 "fp4" files, an unknown format in the
+    file's ``_quantization_metadata``) when the file is opened, not when its weights are read."""
+    formats = set()
+    if "_quantization_metadata" in metadata:
+        try:
+            layers = json.loads(metadata["_quantization_metadata"]).get("layers", {})
+            formats = {str(conf.get("format")) for conf in layers.values()}
+        except (ValueError, AttributeError):
+            raise DamagedFile(f"{name} has a damaged _quantization_metadata entry: re-download it",
+                              "damaged quantisation metadata") from None
+    packed = [k for k in tensors if k.endswith(".weight_scale_2")
+              or (k.endswith(".weight_scale") and tensors.get(f"{k[: -len('_scale')]}", ((), ""))[1] == "U8")]
+    unknown = sorted(formats - set(FP8_FORMATS))
+    if packed or unknown:
+        what = ", ".join(unknown) if unknown else "NVFP4 (4-bit, e.g. a file named ..._fp4 or ..._nvfp4)"
+        raise ModelFolderError(f"{name} is quantised as {what}, which this pack does not dequantise: use the "
+                               "bf16, fp16 or fp8 version of the file")
 
 
 def check_files(files: Iterable[Path], what: str = "") -> None:
@@ -145,23 +187,28 @@ class TensorSource:
             for key in handle.keys():
                 self.where[key] = f
         self.scaled_fp8 = any(m in self.where for m in FP8_MARKERS)
+        self._aux = quant_aux(self.where)
 
     def keys(self) -> list[str]:
-        """Tensor names, without fp8 markers and scale tensors."""
-        return [k for k in self.where if k not in FP8_MARKERS and not k.endswith(_SCALE_SUFFIXES)]
+        """Tensor names, without fp8 markers, scales and format records."""
+        return [k for k in self.where if k not in self._aux]
 
     def raw(self, key: str) -> torch.Tensor:
         return self._handles[self.where[key]].get_tensor(key)
 
     def get(self, key: str, dtype: torch.dtype) -> torch.Tensor:
-        """Tensor ``key`` in ``dtype``; fp8 upcast, and multiplied by its ``scale_weight`` in scaled-fp8 files."""
+        """Tensor ``key`` in ``dtype``; fp8 upcast, and multiplied by its scale (``scale_weight`` or
+        ``weight_scale``: one number, or one per output row) in scaled-fp8 files."""
         tensor = self.raw(key)
         base = key[: -len(".weight")] if key.endswith(".weight") else None
-        scale_key = f"{base}.scale_weight" if base is not None else None
-        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or (scale_key and scale_key in self.where):
+        scale_key = next((base + s for s in WEIGHT_SCALES if base is not None and base + s in self.where), None)
+        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or scale_key:
             tensor = tensor.float()
-            if scale_key and scale_key in self.where:
-                tensor = tensor * self.raw(scale_key).float()
+            if scale_key:
+                scale = self.raw(scale_key).float()
+                if scale.numel() > 1:  # per output row
+                    scale = scale.reshape(-1, *([1] * (tensor.ndim - 1)))
+                tensor = tensor * scale
         if not tensor.is_floating_point():
             return tensor
         return tensor.to(dtype)

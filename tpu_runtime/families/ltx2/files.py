@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...engine.weights import read_header
+from ...engine.weights import quant_aux, read_header
 from ...errors import ModelFolderError
 
 TRANSFORMER = "model.diffusion_model."
@@ -153,7 +153,8 @@ def checkpoint_names(path: Path) -> dict[str, dict[str, str]]:
                                                      convert_ltx2_vae_to_diffusers)
 
     header = read_header(Path(path), "LTX-2 checkpoint")
-    keys = list(header)
+    aux = quant_aux(header)  # an fp8 checkpoint's scales and format records: read with their weights
+    keys = [k for k in header if k not in aux]
     names: dict[str, dict[str, str]] = {c: {} for c in ("transformer", "connectors", "vae", "audio_vae", "vocoder")}
     for k in keys:
         if (c := connector_name(k)) is not None:
@@ -307,9 +308,11 @@ def gemma_names(path: Path) -> tuple[dict, dict[str, str]]:
 
     path = Path(path)
     header = read_header(path, "Gemma 3 text encoder")
+    aux = quant_aux(header)
     names = {}
     for k in header:
-        if k.startswith(("model.vision", "vision", "multi_modal", "model.multi_modal")) or k == "spiece_model":
+        if k.startswith(("model.vision", "vision", "multi_modal", "model.multi_modal")) or k == "spiece_model" \
+                or k in aux:
             continue
         for p in GEMMA_PREFIXES:
             if k.startswith(p):
@@ -384,4 +387,5 @@ def upscaler_names(path: Path) -> tuple[dict, dict[str, str]]:
     config.update(in_channels=in_ch, mid_channels=mid, num_blocks_per_stage=_count(header, r"res_blocks\.(\d+)\."),
                   use_rational_resampler="upsampler.blur_down.kernel" in header)
     config.update(metadata_configs(path).get("latent_upsampler", {}))
-    return config, {k: k for k in header}
+    aux = quant_aux(header)
+    return config, {k: k for k in header if k not in aux}

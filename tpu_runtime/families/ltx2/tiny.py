@@ -13,7 +13,7 @@ import math
 import string
 from pathlib import Path
 
-from ...engine.tiny import exact, finish
+from ...engine.tiny import exact, finish, fp8_per_layer
 
 LTX2_GENERATIONS = ("2.0", "2.3")
 
@@ -143,10 +143,11 @@ def _fill_bwe_buffers(vocoder) -> None:
 
 
 def build_tiny_ltx2(directory: str | Path, generation: str = "2.0", seed: int = 0, layers: int = 2,
-                    upsampler: bool = True) -> Path:
+                    upsampler: bool = True, fp8: bool = False) -> Path:
     """Write a tiny random-weight LTX-``generation`` folder in diffusers format (``LTX2Pipeline``'s components)
     and return its path; with ``upsampler`` also its spatial latent upsampler in ``latent_upsampler/`` (as
-    ``LTX2LatentUpsamplePipeline`` loads it). Weights are rounded so that bf16 and fp16 files hold them exactly."""
+    ``LTX2LatentUpsamplePipeline`` loads it). Weights are rounded so that bf16 and fp16 files hold them exactly; with
+    ``fp8`` every matrix is also an fp8 value times a power of two, so the fp8 export holds it exactly."""
     import torch
     from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
                            LTX2VideoTransformer3DModel)
@@ -165,7 +166,7 @@ def build_tiny_ltx2(directory: str | Path, generation: str = "2.0", seed: int = 
         with torch.no_grad():
             for name, p in module.named_parameters():
                 scale = strong_std if any(s in name for s in stronger) else std
-                p.copy_(exact(torch.randn_like(p) * scale, False))
+                p.copy_(exact(torch.randn_like(p) * scale, fp8))
         return module.eval()
 
     build_tokenizer(directory / "tokenizer")
@@ -320,8 +321,10 @@ def export_comfy_files(folder: str | Path, out: str | Path, dtype: str = "fp32",
     latent upscaler. What the shapes cannot tell (the tiny models' head counts, Gemma pattern, VAE and vocoder
     strides) goes into the ``tpu_runtime.diffusers_configs`` metadata: exactly the fields where the architecture
     read from the shapes differs from the folder's configs. ``tokenizer``: the Gemma file carries its tokenizer
-    (``spiece_model``, as ComfyUI's does). Returns {"checkpoint", "text_encoder",
-    ["latent_upscaler"]} -> path."""
+    (``spiece_model``, as ComfyUI's does). ``dtype`` fp8: as Lightricks' and ComfyUI's fp8 files, the
+    transformer blocks' and Gemma's layers' matrices in float8_e4m3fn with their scales (ComfyUI's per-layer format:
+    ``.comfy_quant`` records in the checkpoint, ``_quantization_metadata`` in the Gemma file), the rest bf16; exact
+    for a folder built with ``fp8=True``. Returns {"checkpoint", "text_encoder", ["latent_upscaler"]} -> path."""
     import json
 
     import torch
@@ -331,7 +334,7 @@ def export_comfy_files(folder: str | Path, out: str | Path, dtype: str = "fp32",
 
     folder, out = Path(folder), Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}[dtype]
 
     def load(component):
         state = {}
@@ -349,6 +352,8 @@ def export_comfy_files(folder: str | Path, out: str | Path, dtype: str = "fp32",
                     .replace("latents_std", "per_channel_statistics.std-of-means"): v
                     for k, v in load("audio_vae").items()})
     tensors.update({_vocoder_to_original(k): v for k, v in load("vocoder").items()})
+    if dtype == "fp8":
+        tensors, _ = fp8_per_layer(tensors, lambda k: k.startswith(F.TRANSFORMER + "transformer_blocks."))
     paths = {"checkpoint": out / f"ltx2_tiny_{dtype}.safetensors"}
     save_file(tensors, str(paths["checkpoint"]))
     derived, names = F.checkpoint_configs(paths["checkpoint"])
@@ -372,12 +377,16 @@ def export_comfy_files(folder: str | Path, out: str | Path, dtype: str = "fp32",
     if tokenizer:
         spm = gemma_spiece_model(folder / "tokenizer")
         text["spiece_model"] = torch.frombuffer(bytearray(spm), dtype=torch.uint8)
+    quant_meta = {}
+    if dtype == "fp8":
+        text, quant_meta = fp8_per_layer(text, lambda k: k.startswith("model.layers."), in_metadata=True)
     paths["text_encoder"] = out / f"gemma_tiny_{dtype}.safetensors"
-    save_file(text, str(paths["text_encoder"]))
+    save_file(text, str(paths["text_encoder"]), metadata=quant_meta or None)
     true = json.loads((folder / "text_encoder" / "config.json").read_text())["text_config"]
     derived, _ = F.gemma_names(paths["text_encoder"])
     diff = {k: v for k, v in true.items() if k in derived and json.dumps(derived[k]) != json.dumps(v)}
-    save_file(text, str(paths["text_encoder"]), metadata={F.METADATA: json.dumps({"text_encoder": diff})})
+    save_file(text, str(paths["text_encoder"]),
+              metadata={F.METADATA: json.dumps({"text_encoder": diff}), **quant_meta})
     if (folder / "latent_upsampler").is_dir():
         paths["latent_upscaler"] = out / f"ltx2_upscaler_tiny_{dtype}.safetensors"
         save_file(load("latent_upsampler"), str(paths["latent_upscaler"]))

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...engine.weights import read_header, strip_prefix
+from ...engine.weights import quant_aux, read_header, strip_prefix
 from ...errors import ModelFolderError
 
 @dataclass
@@ -93,7 +93,8 @@ def transformer_names(path: Path) -> tuple[dict, dict[str, str]]:
 
     path = Path(path)
     header = read_header(path)
-    keys = [k for k in header if k != "scaled_fp8" and not k.endswith((".scale_weight", ".scale_input"))]
+    aux = quant_aux(header)
+    keys = [k for k in header if k not in aux]
     short = strip_prefix(keys, TRANSFORMER_PREFIXES)
     h = {short[k]: header[k] for k in keys}
     what = "Wan transformer"
@@ -183,8 +184,8 @@ def umt5_names(path: Path) -> tuple[dict, dict[str, str]]:
     path = Path(path)
     header = read_header(path)
     what = "umT5 text encoder"
-    keys = [k for k in header if k not in ("scaled_fp8", "spiece_model")
-            and not k.endswith((".scale_weight", ".scale_input"))]
+    aux = quant_aux(header)
+    keys = [k for k in header if k != "spiece_model" and k not in aux]
     short = strip_prefix(keys, ("text_encoders.umt5xxl.transformer.", "umt5xxl.transformer.", "transformer."))
     h = {short[k]: header[k] for k in keys}
     if "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight" not in h:
@@ -279,8 +280,9 @@ def vae_names(path: Path) -> tuple[dict, dict[str, str]]:
                 j += 1
     stages = len({s for s, _ in up_stage_of.values()}) if not residual else len(flat_up)
     res_per_up_stage = max((jj for _, jj in up_stage_of.values() if jj is not None), default=0) + 1
+    aux = quant_aux(header)
     for key in header:
-        if key in ("scaled_fp8",) or key.endswith((".scale_weight", ".scale_input")):
+        if key in aux:
             continue
         new = None
         m = re.match(r"(encoder|decoder)\.middle\.(\d)\.(.*)", key)
