@@ -12,7 +12,8 @@ runs a long prompt, presses Cancel (POST /interrupt) after its first steps, chec
 succeeds and that /free releases our weights. Then the Wan 2.1 I2V workflow runs from ComfyUI's Load Image (a
 picture placed in ComfyUI's input folder; tiny I2V single files and clip_vision in models/) to a saved mp4.
 --family ltx2 runs LTX-2 with sound (a tiny LTX-2 diffusers folder, latent_upsampler/ inside, in models/diffusers):
-the image-to-video workflow from Load Image and the two-stage text-to-video workflow (stage 1, Upsample, stage 2)
+the image-to-video workflow from Load Image and the two-stage text-to-video workflow (stage 1, Upsample, the
+distilled LoRA from models/loras, stage 2)
 each to an mp4 that must hold an audio stream, then the bad input, Cancel and /free checks. `both` is CogVideoX and
 Wan as before, `all` adds LTX-2. Prints a line per check and exits non-zero on the first failure.
 
@@ -119,6 +120,8 @@ LTX2 = {
     "size": {"width": 96, "height": 64, "frames": 17},
     # The two-stage workflow's samplers by node id: stage 1 at half size, stage 2 (stage2 sigmas, 3 steps) at twice it.
     "stage1": "3", "stage2": "5",
+    # Stage 2's model comes through the LoRA node: a tiny LoRA in the original names under the distilled LoRA's name.
+    "lora": "ltx-2-19b-distilled-lora-384.safetensors",
     "bad_frames": (20, "frames=20 must be 8*N+1 for LTX-2"),
     "long": {"width": 768, "height": 512, "frames": 121, "steps": 200},
 }
@@ -131,8 +134,10 @@ def build_models(comfy: Path, python: str, families: list[str]) -> None:
         code = ("import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]);"
                 "from tpu_runtime.families.ltx2.tiny import build_tiny_ltx2;"
                 "d = Path(sys.argv[2]) / 'diffusers' / 'LTX-2-tiny';"
-                "(d / 'model_index.json').exists() or build_tiny_ltx2(d, '2.0', seed=0)")
-        subprocess.run([python, "-c", code, str(ROOT), str(models)], check=True)
+                "(d / 'model_index.json').exists() or build_tiny_ltx2(d, '2.0', seed=0);"
+                "from tpu_runtime.families.ltx2.tiny import build_tiny_lora;"
+                "build_tiny_lora(d / 'transformer', Path(sys.argv[2]) / 'loras' / sys.argv[3])")
+        subprocess.run([python, "-c", code, str(ROOT), str(models), LTX2["lora"]], check=True)
     code = (
         "import sys, shutil; from pathlib import Path; sys.path.insert(0, sys.argv[1]);"
         "from tpu_runtime.families.cogvideox.tiny import build_tiny_cogvideox;"
@@ -236,14 +241,17 @@ def ltx2_trial(port: int, comfy: Path, info: dict) -> None:
     two = {**loader, f["stage1"]: {**size, "steps": 3},
            f["stage2"]: {"width": 2 * size["width"], "height": 2 * size["height"], "frames": size["frames"]},
            "SaveVideo": {"filename_prefix": "video/tpu_trial_ltx2_t2v"}}
+    assert f["lora"] in info["TPULTX2LoRA"]["input"]["required"]["lora_name"][0], "the LoRA is not listed"
     prompt = ui_to_api(t2v, info, two)
     assert prompt[f["stage2"]]["inputs"]["sigmas"] == "stage2" and prompt[f["stage2"]]["inputs"]["steps"] == 3
+    lora = next(k for k, v in prompt.items() if v["class_type"] == "TPULTX2LoRA")
+    assert prompt[f["stage2"]]["inputs"]["model"] == [lora, 0] and prompt[lora]["inputs"]["lora_name"] == f["lora"]
     started = time.time()
     mp4 = run_to_mp4(port, comfy, prompt, "tpu_trial_ltx2_t2v")
     streams = mp4_streams(mp4)
     assert streams["audio_codec"], streams
     assert streams["frames"][1:3] == (2 * size["height"], 2 * size["width"]), streams
-    print(f"[ltx2] two-stage t2v: stage 1 {size['width']}x{size['height']} -> Upsample -> stage 2 "
+    print(f"[ltx2] two-stage t2v: stage 1 {size['width']}x{size['height']} -> Upsample -> distilled LoRA -> stage 2 "
           f"{2 * size['width']}x{2 * size['height']} (stage2 sigmas, 3 steps) ran to {mp4.name} "
           f"({mp4.stat().st_size} bytes, {time.time() - started:.0f} s): frames {streams['frames']}, "
           f"audio {streams['audio_codec']}")

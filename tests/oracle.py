@@ -185,11 +185,13 @@ def ltx2_outputs(folder, seed, image=None, output_type="np", **call):
     return video, audio
 
 
-def ltx2_two_stages(folder, seed, prompt, negative, height, width, frames, first_steps, stage_1=None, stage_2=None):
+def ltx2_two_stages(folder, seed, prompt, negative, height, width, frames, first_steps, stage_1=None, stage_2=None,
+                    stage_2_lora=None):
     """diffusers' two-stage recipe, chained as its LTX-2 documentation chains the pipelines: LTX2Pipeline at
     ``height`` x ``width`` to latents, LTX2LatentUpsamplePipeline (the folder's latent_upsampler/) to twice the
     size, LTX2Pipeline again from the upsampled video and the first stage's sound latents with the second stage's
-    distilled sigmas on a scheduler without dynamic shifting (a fresh generator of the same seed). Returns
+    distilled sigmas on a scheduler without dynamic shifting (a fresh generator of the same seed), with
+    ``stage_2_lora`` ((file, strength): the distilled LoRA in LTX-2's recipe) loaded for that stage only. Returns
     (frames, waveform)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, LTX2LatentUpsamplePipeline
     from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
@@ -205,6 +207,9 @@ def ltx2_two_stages(folder, seed, prompt, negative, height, width, frames, first
     original = pipe.scheduler
     pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(original.config, use_dynamic_shifting=False,
                                                                  shift_terminal=None)
+    if stage_2_lora is not None:
+        pipe.load_lora_weights(str(stage_2_lora[0]), adapter_name="stage_2")
+        pipe.set_adapters(["stage_2"], [stage_2_lora[1]])
     try:
         out = pipe(latents=upsampled, audio_latents=audio, prompt=prompt, negative_prompt=negative,
                    num_inference_steps=3, noise_scale=STAGE_2_DISTILLED_SIGMA_VALUES[0],
@@ -212,4 +217,6 @@ def ltx2_two_stages(folder, seed, prompt, negative, height, width, frames, first
                    output_type="np", **(stage_2 or {}))
     finally:
         pipe.scheduler = original
+        if stage_2_lora is not None:
+            pipe.unload_lora_weights()
     return out.frames[0], out.audio[0]

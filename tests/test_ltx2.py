@@ -327,6 +327,40 @@ def test_a_lora_gives_diffusers_frames_and_sound(tiny_ltx2, tmp_path):
     assert (ours.latents - plain.latents).abs().max() > 1e-2  # the LoRA moves the video
 
 
+def test_a_lora_in_the_original_names_gives_diffusers_frames_and_sound(tiny_ltx2, tmp_path):
+    """A LoRA in the names LTX-2's own trainer and ComfyUI use (``diffusion_model.`` + the original names, lora_A /
+    lora_B: the format of Lightricks' distilled LoRA), over every block's attention and feed-forward and the
+    modules whose original names differ from diffusers' (patchify projections, the AdaLN and cross-modal
+    modulation linears, 2.3's prompt modulation): every key applied, and the latents equal diffusers' pipeline with
+    the same file (load_lora_weights converts the names its own way)."""
+    import diffusers
+    from safetensors import safe_open
+
+    from tpu_runtime.engine.lora import LoraSpec
+    from tpu_runtime.families.ltx2.model import LTX2Family
+    from tpu_runtime.families.ltx2.tiny import build_tiny_lora
+
+    folder = tiny_ltx2["2.3"]
+    path = build_tiny_lora(folder / "transformer", tmp_path / "ltx-2-distilled-lora.safetensors", scale=0.2)
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())  # noqa: SIM118
+    for original in ("patchify_proj", "adaln_single.linear", "av_ca_a2v_gate_adaln_single.linear",
+                     "prompt_adaln_single.linear", "transformer_blocks.0.audio_to_video_attn.to_q"):
+        assert f"diffusion_model.{original}.lora_A.weight" in keys
+    family = LTX2Family(folder, dtype="float32")
+    s = _settings(loras=(LoraSpec(str(path), 0.7),))
+    ours = family.sample(family.encode(PROMPT, NEGATIVE), s)
+    (merged,) = family._loras["transformer"].files
+    assert not merged.unmatched and len(merged.updates) == len(keys) // 2  # every module of the file applied
+    pipe = diffusers.LTX2Pipeline.from_pretrained(str(folder), dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(path), adapter_name="distilled")
+    pipe.set_adapters(["distilled"], [0.7])
+    out = pipe(generator=torch.Generator("cpu").manual_seed(s.seed), output_type="latent", **_diffusers_call(s))
+    _close(ours.latents, out.frames, "original-names LoRA video latents")
+    _close(ours.audio, out.audio, "original-names LoRA sound latents")
+
+
 def test_command_line_two_stages_equal_diffusers_chained(tiny_ltx2, tmp_path):
     """`generate --two-stage` at 128x192: the first sampling at 64x96, the upsampler, 3 refine steps with the stage-2
     sigmas and one pass a step: diffusers' pipelines chained the same way; frames.safetensors holds the waveform."""
@@ -345,6 +379,35 @@ def test_command_line_two_stages_equal_diffusers_chained(tiny_ltx2, tmp_path):
     saved = load_file(str(out / "frames.safetensors"))
     _close(saved["frames"], want_frames, "--two-stage frames")
     _close(saved["audio"], want_audio, "--two-stage waveform")
+
+
+def test_command_line_two_stages_with_the_distilled_lora_on_the_refine_stage(tiny_ltx2, tmp_path, capsys):
+    """LTX-2's own recipe: `--two-stage --lora-2 FILE` merges the LoRA (original names, as Lightricks' distilled
+    LoRA) for the refine stage only: diffusers' chain with the LoRA loaded for its second pipeline call. Without
+    --two-stage, --lora-2 on LTX-2 is refused before anything runs, naming both ways."""
+    from safetensors.torch import load_file
+
+    from tpu_runtime.families.ltx2.tiny import build_tiny_lora
+    from tpu_runtime.tools.cli import main
+
+    folder = tiny_ltx2["2.0"]
+    lora = build_tiny_lora(folder / "transformer", tmp_path / "ltx-2-19b-distilled-lora-384.safetensors", scale=0.2)
+    args = ["generate", "--model", str(folder), "--prompt", PROMPT, "--negative-prompt", NEGATIVE,
+            "--height", str(2 * H), "--width", str(2 * W), "--frames", str(F), "--steps", str(STEPS),
+            "--seed", "7", "--dtype", "float32"]
+    assert main([*args, "--lora-2", f"{lora}:0.9", "--output-dir", str(tmp_path / "one")]) == 2
+    assert "--two-stage" in capsys.readouterr().err
+    out = tmp_path / "two"
+    assert main([*args, "--two-stage", "--lora-2", f"{lora}:0.9", "--output-dir", str(out)]) == 0
+    one_pass = {"guidance_scale": 1.0, "audio_guidance_scale": 1.0, "stg_scale": 0.0, "audio_stg_scale": 0.0,
+                "modality_scale": 1.0, "audio_modality_scale": 1.0}
+    want_frames, want_audio = ltx2_two_stages(folder, 7, PROMPT, NEGATIVE, H, W, F, STEPS, stage_2=one_pass,
+                                              stage_2_lora=(lora, 0.9))
+    saved = load_file(str(out / "frames.safetensors"))
+    _close(saved["frames"], want_frames, "--two-stage --lora-2 frames")
+    _close(saved["audio"], want_audio, "--two-stage --lora-2 waveform")
+    plain_frames, _ = ltx2_two_stages(folder, 7, PROMPT, NEGATIVE, H, W, F, STEPS, stage_2=one_pass)
+    assert (torch.as_tensor(want_frames) - torch.as_tensor(plain_frames)).abs().max() > 1e-2  # the LoRA shows
 
 
 @pytest.mark.parametrize("args, needle", [

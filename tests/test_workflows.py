@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import I2V_SIZES, LTX2_SIZE, ROOT, SIZES
 
+from tpu_runtime.families.ltx2.tiny import build_tiny_lora as build_ltx2_lora
 from tpu_runtime.families.wan.tiny import build_tiny_lora, export_comfy_files
 from tpu_runtime.tools.video import read_mp4, write_mp4, write_wav
 
@@ -237,6 +238,9 @@ def test_workflow_runs_headlessly_on_a_tiny_model(path, node_defs, images, reque
             expert = "transformer_2" if kwargs["expert"] == "low noise" else "transformer"
             tiny = request.getfixturevalue("tiny_wan")[TINY_WAN[gen]]
             kwargs["lora_name"] = str(build_tiny_lora(tiny / expert, tmp_path / "loras" / kwargs["lora_name"], "comfy"))
+        if kind == "TPULTX2LoRA":  # a LoRA in the original names (as Lightricks' distilled one) for the tiny model
+            tiny = request.getfixturevalue("tiny_ltx2")[tiny_ltx2]
+            kwargs["lora_name"] = str(build_ltx2_lora(tiny / "transformer", tmp_path / "loras" / kwargs["lora_name"]))
         if kind in STEP_CACHES:  # the tiny model has no published ratios: one a step, 8 steps
             assert kwargs["mag_ratios"] == "" or kwargs["method"] != "magcache"
             kwargs["mag_ratios"] = "1.0,0.99,0.99,0.99,0.99,0.99,0.99,0.99"

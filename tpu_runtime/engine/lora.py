@@ -122,6 +122,8 @@ def _split_key(key: str) -> tuple[str, str] | None:
 
 def _guess_family(keys: Sequence[str]) -> str:
     text = " ".join(keys[:200])
+    if re.search(r"(audio_attn\d|audio_ff|audio_to_video_attn|patchify_proj)", text):
+        return "LTX-2"
     if "transformer_blocks" in text:
         return "CogVideoX (or another diffusers DiT)"
     if re.search(r"blocks[._]\d+[._](self_attn|cross_attn|attn1|attn2|ffn)", text):

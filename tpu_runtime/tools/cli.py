@@ -58,7 +58,8 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool = False) -> None:
                        help="a LoRA merged into the transformer (Wan 2.2 A14B: the high-noise expert), strength 1 "
                        "unless given; repeat for several")
         p.add_argument("--lora-2", dest="loras_2", action="append", default=[], metavar="FILE[:STRENGTH]",
-                       help="Wan 2.2 A14B: a LoRA merged into the low-noise expert; repeat for several")
+                       help="Wan 2.2 A14B: a LoRA merged into the low-noise expert; LTX-2 with --two-stage: a LoRA "
+                       "for the refine stage only (e.g. the distilled LoRA); repeat for several")
     p.add_argument("--negative-prompt", default="", help="what to steer away from (default: empty)")
     size = "the tiny model's (64x96x9; 64x64x17 for 1.5)" if demo else "the model's native size"
     p.add_argument("--height", type=int, help=f"pixels, multiple of 16 (32 for Wan TI2V-5B); default: {size}")
@@ -93,7 +94,8 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool = False) -> None:
         ltx2.add_argument("--upsampler", help="the spatial latent upsampler's folder (default: the model's "
                           "latent_upsampler/)")
     ltx2.add_argument("--two-stage", action="store_true", help="LTX-2's recipe: sample at half the width and "
-                      "height, upsample the latents x2, refine 3 steps (stage-2 sigmas, one pass a step)")
+                      "height, upsample the latents x2, refine 3 steps (stage-2 sigmas, one pass a step; --lora-2 adds LoRAs to "
+                      "this stage only)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="auto: bfloat16 on TPU/GPU, float32 on CPU")
     p.add_argument("--fps", type=int, help="default: the model's (8 CogVideoX, 16 CogVideoX1.5 and Wan, "

@@ -182,7 +182,8 @@ def generate(req: GenerateRequest, family=None) -> dict:
     if req.stage in ("all", "sample"):
         for s in stages or (settings,):
             family.check_settings(s)  # before the encode stage spends any time
-        family.apply_loras(family.lora_targets(settings), merge=False)  # every LoRA file read and checked too
+        for s in stages or (settings,):
+            family.apply_loras(family.lora_targets(s), merge=False)  # every LoRA file read and checked too
     elif loras or loras_2:
         raise InputError(f"--lora applies to sampling: use it with --stage all or --stage sample, not {req.stage}")
     images = None
@@ -273,7 +274,8 @@ def generate(req: GenerateRequest, family=None) -> dict:
 def two_stage_settings(family, settings):
     """LTX-2's two-stage recipe for ``settings`` (the final size): the first sampling at half the width and height,
     then, after the spatial latent upsampler, 3 refine steps over the stage-2 distilled sigmas with one transformer
-    pass a step (guidance 1, no STG or isolation: the distilled stage-2 settings), the same seed."""
+    pass a step (guidance 1, no STG or isolation: the distilled stage-2 settings), the same seed. The LoRAs of
+    ``loras_2`` (``--lora-2``: LTX-2's distilled LoRA in its own recipe) join the refine stage only."""
     import dataclasses
 
     from ..errors import InputError
@@ -290,9 +292,9 @@ def two_stage_settings(family, settings):
                          f"{settings.width // m * m or m})")
     if settings.cache is not None:
         raise InputError("--cache with --two-stage: step caching is not offered for LTX-2; leave --cache out")
-    first = dataclasses.replace(settings, height=settings.height // 2, width=settings.width // 2)
+    first = dataclasses.replace(settings, height=settings.height // 2, width=settings.width // 2, loras_2=())
     refine = dataclasses.replace(settings, steps=3, sigmas="stage2", guidance=1.0, audio_guidance=1.0, stg_scale=0.0,
-                                 modality_scale=1.0, loras=settings.loras)
+                                 modality_scale=1.0, loras=settings.loras + settings.loras_2, loras_2=())
     return first, refine
 
 

@@ -101,6 +101,28 @@ VOCODER_NAMES = (("conv_pre.", "conv_in."), ("ups.", "upsamplers."), ("resblocks
                  ("conv_post.", "conv_out."), ("act_post.", "act_out."))
 
 
+_TRANSFORMER_TO_ORIGINAL = (("audio_time_embed.", "audio_adaln_single."), ("prompt_adaln.", "prompt_adaln_single."),
+                            ("audio_prompt_adaln.", "audio_prompt_adaln_single."), ("time_embed.", "adaln_single."),
+                            ("audio_proj_in.", "audio_patchify_proj."), ("proj_in.", "patchify_proj."),
+                            ("av_cross_attn_video_scale_shift.", "av_ca_video_scale_shift_adaln_single."),
+                            ("av_cross_attn_video_a2v_gate.", "av_ca_a2v_gate_adaln_single."),
+                            ("av_cross_attn_audio_scale_shift.", "av_ca_audio_scale_shift_adaln_single."),
+                            ("av_cross_attn_audio_v2a_gate.", "av_ca_v2a_gate_adaln_single."))
+
+
+def transformer_to_original(name: str) -> str:
+    """A diffusers ``LTX2VideoTransformer3DModel`` name -> the original (ltx-core, ComfyUI) one, without the
+    checkpoint's ``model.diffusion_model.`` prefix: the inverse of diffusers' ``convert_ltx2_transformer_to_diffusers``
+    renames, and the names LoRA files trained on the original model use (``diffusion_model.<name>``)."""
+    for old, new in _TRANSFORMER_TO_ORIGINAL:
+        if name.startswith(old):
+            name = new + name[len(old):]
+            break
+    return (name.replace("video_a2v_cross_attn_scale_shift_table", "scale_shift_table_a2v_ca_video")
+            .replace("audio_a2v_cross_attn_scale_shift_table", "scale_shift_table_a2v_ca_audio")
+            .replace(".norm_q.", ".q_norm.").replace(".norm_k.", ".k_norm."))
+
+
 def connector_name(key: str) -> str | None:
     for old, new in CONNECTOR_NAMES:
         if key.startswith(old):

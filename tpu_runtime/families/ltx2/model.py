@@ -305,6 +305,19 @@ class LTX2Family(LTX2Programs, ModelFamily):
                 raise InputError(f"stg_blocks={list(s.stg_blocks)}: this transformer has blocks 0..{layers - 1}")
         self.lora_targets(s)
 
+    def lora_targets(self, settings: SampleSettings) -> dict[str, tuple]:
+        if settings.loras_2:
+            raise InputError(f"{self.label} has one transformer: a second LoRA slot (--lora-2, lora_2) is the refine "
+                             "stage's of --two-stage (e.g. the distilled LoRA); give LoRAs for one sampling as --lora")
+        return super().lora_targets(settings)
+
+    def _lora_original_name(self, name: str) -> str:
+        """LoRA files for LTX-2 come in diffusers' names or in the original ones (``diffusion_model.`` + ltx-core's
+        names: Lightricks' distilled LoRA, ComfyUI-trained LoRAs); both reach every transformer weight."""
+        from .files import transformer_to_original
+
+        return transformer_to_original(name)
+
     def guidance(self, s: SampleSettings) -> tuple[Passes, np.ndarray]:
         """The passes a step runs and the guidance coefficients (``programs.COEFFICIENTS``) for settings ``s``,
         as diffusers decides them: CFG when either guidance is above 1, STG when its scale is above 0 (and the

@@ -13,7 +13,7 @@ import math
 import string
 from pathlib import Path
 
-from ...engine.tiny import exact, finish, fp8_per_layer
+from ...engine.tiny import exact, finish, fp8_per_layer, write_tiny_lora
 
 LTX2_GENERATIONS = ("2.0", "2.3")
 
@@ -243,26 +243,6 @@ def _vae_to_original(name: str) -> str:
 
 
 _VAE_STAGES = {"encoder": 4}
-_TRANSFORMER_TO_ORIGINAL = (("audio_time_embed.", "audio_adaln_single."), ("prompt_adaln.", "prompt_adaln_single."),
-                            ("audio_prompt_adaln.", "audio_prompt_adaln_single."), ("time_embed.", "adaln_single."),
-                            ("audio_proj_in.", "audio_patchify_proj."), ("proj_in.", "patchify_proj."),
-                            ("av_cross_attn_video_scale_shift.", "av_ca_video_scale_shift_adaln_single."),
-                            ("av_cross_attn_video_a2v_gate.", "av_ca_a2v_gate_adaln_single."),
-                            ("av_cross_attn_audio_scale_shift.", "av_ca_audio_scale_shift_adaln_single."),
-                            ("av_cross_attn_audio_v2a_gate.", "av_ca_v2a_gate_adaln_single."))
-
-
-def _transformer_to_original(name: str) -> str:
-    for old, new in _TRANSFORMER_TO_ORIGINAL:
-        if name.startswith(old):
-            name = new + name[len(old):]
-            break
-    name = (name.replace("video_a2v_cross_attn_scale_shift_table", "scale_shift_table_a2v_ca_video")
-            .replace("audio_a2v_cross_attn_scale_shift_table", "scale_shift_table_a2v_ca_audio")
-            .replace(".norm_q.", ".q_norm.").replace(".norm_k.", ".k_norm."))
-    return "model.diffusion_model." + name
-
-
 def _connector_to_original(name: str) -> str:
     from .files import CONNECTOR_NAMES
 
@@ -345,7 +325,7 @@ def export_comfy_files(folder: str | Path, out: str | Path, dtype: str = "fp32",
     vae_config = json.loads((folder / "vae" / "config.json").read_text())
     _VAE_STAGES["encoder"] = len(vae_config["block_out_channels"])
     tensors = {}
-    tensors.update({_transformer_to_original(k): v for k, v in load("transformer").items()})
+    tensors.update({F.TRANSFORMER + F.transformer_to_original(k): v for k, v in load("transformer").items()})
     tensors.update({_connector_to_original(k): v for k, v in load("connectors").items()})
     tensors.update({"vae." + _vae_to_original(k): v for k, v in load("vae").items()})
     tensors.update({"audio_vae." + k.replace("latents_mean", "per_channel_statistics.mean-of-means")
@@ -391,3 +371,22 @@ def export_comfy_files(folder: str | Path, out: str | Path, dtype: str = "fp32",
         paths["latent_upscaler"] = out / f"ltx2_upscaler_tiny_{dtype}.safetensors"
         save_file(load("latent_upsampler"), str(paths["latent_upscaler"]))
     return paths
+
+
+# Every linear a LoRA for LTX-2 may reach: both streams' attention (self, text, cross-modal) and feed-forward in
+# every block, and the ones whose original names differ from diffusers' (patchify projections, the AdaLN and
+# cross-modal modulation linears, 2.3's prompt modulation, the output projections).
+LORA_TARGETS = (r"transformer_blocks\.\d+\.(attn1|attn2|audio_attn1|audio_attn2|audio_to_video_attn|"
+                r"video_to_audio_attn)\.(to_q|to_k|to_v|to_out\.0)\.weight|"
+                r"transformer_blocks\.\d+\.(ff|audio_ff)\.net\.(0\.proj|2)\.weight|"
+                r"(audio_)?proj_(in|out)\.weight|"
+                r"(time_embed|audio_time_embed|av_cross_attn_\w+|prompt_adaln|audio_prompt_adaln)\.linear\.weight")
+
+
+def build_tiny_lora(transformer: str | Path, out: str | Path, fmt: str = "comfy_ab", **options) -> Path:
+    """A random-weight LoRA over ``LORA_TARGETS`` of the LTX-2 transformer folder ``transformer``, in format
+    ``fmt`` (``LORA_FORMATS``; ``comfy_ab`` is the original names under ``diffusion_model.`` with lora_A/lora_B,
+    as Lightricks' LoRAs are written), with ``write_tiny_lora``'s options."""
+    from .files import transformer_to_original
+
+    return write_tiny_lora(transformer, out, fmt, LORA_TARGETS, original=transformer_to_original, **options)
