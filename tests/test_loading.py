@@ -101,3 +101,21 @@ def test_scaled_fp8_formats_are_weight_times_scale(tmp_path):
     torch.testing.assert_close(source.get("b.weight", torch.float32), w.float() * 4.0)
     torch.testing.assert_close(source.get("c.weight", torch.bfloat16), (w.float() * row[:, None]).bfloat16())
     torch.testing.assert_close(source.get("norm.weight_scale", torch.float32), torch.tensor([3.0]))
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_dequantisation_equals_torch_elementwise(fp8, dtype):
+    """The table-driven fp8 dequantisation (every byte value, large tensors split over threads) gives exactly
+    torch's ``(q.float() * scale).to(dtype)``, NaNs and signed zeros included."""
+    from tpu_runtime.engine.weights import dequantise_fp8
+
+    every = torch.arange(256, dtype=torch.uint8).view(fp8)
+    big = (torch.randn(17 * (2**18 + 3)) * 3).to(fp8)  # over four chunks: the threaded path
+    for q in (every, big.reshape(-1, 17)):
+        for scale in (torch.tensor(1.0), torch.tensor(0.0013), torch.tensor([3.7e-3])):
+            want = (q.float() * scale.reshape(())).to(dtype)
+            got = dequantise_fp8(q, scale, dtype)
+            assert got.dtype == dtype and got.shape == q.shape
+            assert torch.equal(got.float().nan_to_num(7.0), want.float().nan_to_num(7.0))
+            assert torch.equal(torch.signbit(got.float()), torch.signbit(want.float()))

@@ -8,7 +8,9 @@ Without ``--model`` it builds a tiny random-weight model, so the numbers measure
 real model's speed.
 
 ``bench --load-file-mb N`` measures loading a ComfyUI single-file Wan transformer of about N MB of random fp16
-weights instead: host seconds and peak host memory of our loader, each in a fresh process.
+weights instead: host seconds and peak host memory of our loader, each in a fresh process; with
+``--generation ltx2``, LTX-2's all-in-one checkpoint (bf16 and fp8) against its diffusers folder, the model opened
+and its transformer placed.
 """
 
 from __future__ import annotations
@@ -271,6 +273,19 @@ elif how == "cogvideox-folder":  # what CogVideoXFamily does for its transformer
     model = load_into_meta_module(builder(CogVideoXTransformer3DModel, config), source,
                                   {k: k for k in source.keys()}, dtype, "bench",
                                   keep_fp32=keep_fp32_modules(CogVideoXTransformer3DModel, dtype))
+elif how.startswith("ltx2-"):  # LTX-2 opened from its files or folder, the transformer placed on the devices
+    from tpu_runtime.families.ltx2.model import LTX2Family
+    if how == "ltx2-folder":
+        family = LTX2Family(path, dtype=sys.argv[3])
+    else:
+        folder = __import__("pathlib").Path(path)
+        family = LTX2Family(files={"checkpoint": folder / f"ltx2_tiny_{how[5:]}.safetensors",
+                                   "text_encoder": folder / f"gemma_tiny_{how[5:]}.safetensors"}, dtype=sys.argv[3])
+    family._component("transformer")
+    class model:  # what was placed
+        def parameters():
+            return [torch.empty(tuple(v.shape), dtype=torch.uint8, device="meta").expand(v.dtype.itemsize, *v.shape)
+                    for v in family._states["transformer"].values()]
 else:  # what CogVideoXFamily did before: diffusers' from_pretrained
     model = CogVideoXTransformer3DModel.from_pretrained(path, dtype=dtype)
 seconds = time.perf_counter() - start
@@ -316,6 +331,56 @@ def bench_single_file_load(size_mb: int, dtypes=("bfloat16", "float32")) -> dict
         out[dtype] = _load_in_child("wan-file", path, dtype)
     path.unlink()
     return out
+
+
+def bench_ltx2_file_load(size_mb: int, dtypes=("bfloat16",)) -> dict:
+    """A tiny LTX-2.0 folder whose transformer is replaced by a random one of about ``size_mb`` MB in bfloat16 (16
+    heads of 64, layers chosen for the size), written as ComfyUI's all-in-one checkpoint in bf16 and in fp8 (the
+    blocks' matrices float8 with their scales, as the released fp8 file), and kept as its folder (float32): each
+    opened in a fresh process and its transformer placed; host seconds and peak host memory."""
+    import torch
+    from diffusers import LTX2VideoTransformer3DModel
+
+    from ..families.ltx2.tiny import build_tiny_ltx2, export_comfy_files, transformer_config
+
+    work = Path(tempfile.mkdtemp(prefix="tpu_video_load_"))
+    folder = build_tiny_ltx2(work / "ltx2", "2.0", upsampler=False, fp8=True)
+    config = dict(transformer_config("2.0"), num_attention_heads=16, attention_head_dim=64, cross_attention_dim=1024,
+                  audio_num_attention_heads=16, audio_attention_head_dim=32, audio_cross_attention_dim=512)
+    video, audio = 1024, 512  # per block: both streams' attentions (4 + 4 + 2 cross-modal) and feed-forwards
+    per_layer = (2 * 4 * video * video + 2 * 4 * audio * audio + 2 * 4 * video * audio + 8 * video * video
+                 + 8 * audio * audio) * 2
+    config["num_layers"] = max(1, round(size_mb * 2**20 / per_layer))
+    torch.manual_seed(0)
+    model = LTX2VideoTransformer3DModel(**config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(folder / "transformer")
+    del model
+    files = {dtype: export_comfy_files(folder, work / "files", dtype) for dtype in ("bf16", "fp8")}
+    out = {"layers": config["num_layers"], "folder_mb": sum(
+        f.stat().st_size for f in (folder / "transformer").iterdir()) / 2**20,
+        "checkpoint_mb": {k: v["checkpoint"].stat().st_size / 2**20 for k, v in files.items()}}
+    for dtype in dtypes:
+        out[dtype] = {"bf16": _load_in_child("ltx2-bf16", work / "files", dtype),
+                      "fp8": _load_in_child("ltx2-fp8", work / "files", dtype),
+                      "folder": _load_in_child("ltx2-folder", folder, dtype)}
+    return out
+
+
+def print_ltx2_load_table(r: dict) -> None:
+    print(f"\nLTX-2.0 transformer of {r['layers']} blocks (16 heads of 64): all-in-one checkpoint bf16 "
+          f"{r['checkpoint_mb']['bf16']:.0f} MiB, fp8 {r['checkpoint_mb']['fp8']:.0f} MiB, diffusers folder "
+          f"{r['folder_mb']:.0f} MiB float32; each opened in a fresh process, the transformer placed")
+    print(f"  {'run dtype':<10} {'source':<22} {'host s':>7} {'placed MiB':>11} {'peak allocated MiB':>19}")
+    for dtype in ("bfloat16", "float32"):
+        for way, label in (("bf16", "checkpoint (bf16)"), ("fp8", "checkpoint (fp8)"), ("folder", "folder (fp32)")):
+            if dtype in r:
+                x = r[dtype][way]
+                print(f"  {dtype:<10} {label:<22} {x['seconds']:>7.2f} {x['loaded_bytes'] / 2**20:>11.0f} "
+                      f"{x['anon_increase_mib']:>19.0f}")
+    print("  (on a CPU backend the placed copy is host memory too)")
 
 
 def bench_folder_load(size_mb: int, dtypes=("bfloat16", "float32")) -> dict:
@@ -485,7 +550,8 @@ def add_args(p) -> None:
     p.add_argument("--repeats", type=int, default=2, help="warm runs after the cold one")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="auto: bfloat16 on TPU/GPU, float32 on CPU")
-    p.add_argument("--load-file-mb", type=int, help="instead: time loading a single-file Wan transformer of this size")
+    p.add_argument("--load-file-mb", type=int, help="instead: time loading a single-file Wan transformer of this size "
+                   "(--generation ltx2: LTX-2's checkpoint in bf16 and fp8 against its folder)")
     p.add_argument("--load-folder-mb", type=int, help="instead: time loading a CogVideoX transformer folder of this "
                    "size, ours against diffusers' from_pretrained")
     p.add_argument("--lora-merge", action="store_true", help="instead: time merging LoRAs of several ranks into tiny "
@@ -499,7 +565,10 @@ def add_args(p) -> None:
 
 
 def main(args) -> int:
-    if args.load_file_mb:
+    if args.load_file_mb and args.generation == "ltx2":
+        r = bench_ltx2_file_load(args.load_file_mb)
+        print_ltx2_load_table(r)
+    elif args.load_file_mb:
         r = bench_single_file_load(args.load_file_mb)
         print_load_table(r)
     elif args.load_folder_mb:
