@@ -119,3 +119,40 @@ def test_fp8_dequantisation_equals_torch_elementwise(fp8, dtype):
             assert got.dtype == dtype and got.shape == q.shape
             assert torch.equal(got.float().nan_to_num(7.0), want.float().nan_to_num(7.0))
             assert torch.equal(torch.signbit(got.float()), torch.signbit(want.float()))
+
+
+def _comfy_nvfp4(weight):
+    """ComfyUI's NVFP4 encoding of ``weight`` (comfy-kitchen's own quantiser, its eager CPU version): (packed,
+    block scales in cuBLAS' tiled layout, tensor scale), and its own dequantisation of them in float32."""
+    from comfy_kitchen.backends.eager.quantization import dequantize_nvfp4, quantize_nvfp4
+
+    tensor_scale = (weight.abs().max() / (6.0 * 448.0)).float()
+    packed, blocks = quantize_nvfp4(weight, tensor_scale)
+    return packed, blocks, tensor_scale, dequantize_nvfp4(packed, tensor_scale, blocks, torch.float32)
+
+
+@pytest.mark.parametrize("shape", [(256, 64), (200, 96), (16, 16), (130, 272)])
+def test_nvfp4_weights_equal_comfyuis_dequantisation(shape, tmp_path):
+    """An NVFP4 layer as ComfyUI writes it (packed E2M1 pairs, float8 block scales in cuBLAS' tiled layout, a tensor
+    scale, ``comfy_quant`` {"format": "nvfp4"}) loads as the layer's full-width matrix, equal to ComfyUI's own
+    dequantisation (rows and block columns that do not fill a tile included), and its header reports the
+    unpacked shape."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from tpu_runtime.engine.weights import read_header
+
+    torch.manual_seed(shape[0])
+    weight = torch.randn(shape) * torch.rand(shape[0], 1) * 3
+    packed, blocks, tensor_scale, want = _comfy_nvfp4(weight)
+    save_file({"q.weight": packed, "q.weight_scale": blocks, "q.weight_scale_2": tensor_scale,
+               "q.input_scale": torch.tensor(1.0),
+               "q.comfy_quant": torch.tensor(list(json.dumps({"format": "nvfp4"}).encode()), dtype=torch.uint8)},
+              str(tmp_path / "fp4.safetensors"))
+    assert read_header(tmp_path / "fp4.safetensors")["q.weight"] == (shape, "NVFP4")
+    source = TensorSource([tmp_path / "fp4.safetensors"])
+    assert source.keys() == ["q.weight"]
+    torch.testing.assert_close(source.get("q.weight", torch.float32), want, rtol=0, atol=0)
+    torch.testing.assert_close(source.get("q.weight", torch.bfloat16), want.bfloat16(), rtol=0, atol=0)
+    assert (want - weight).abs().max() < 0.25 * weight.abs().max()  # it is the weight, 4-bit coarse

@@ -153,27 +153,81 @@ def test_fp8_files_give_the_frames_and_sound_of_the_weights_they_hold(tmp_path_f
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
 
 
-def test_nvfp4_and_unknown_quantisations_are_refused_when_opened(ltx2_files, tmp_path):
-    """ComfyUI's 4-bit files (NVFP4: uint8-packed weights with ``weight_scale_2``) and a format this pack does not
-    know in ``_quantization_metadata`` are refused when the model is opened, naming the file and the fix."""
+def test_fp4_mixed_gemma_encodes_as_the_weights_it_holds(ltx2_files, tmp_path):
+    """ComfyUI's "fp4_mixed" Gemma file (the one its LTX-2.3 templates load): the feed-forward layers NVFP4, the
+    attention fp8, the rest as it was, the layers' formats in ``_quantization_metadata``, encoded by ComfyUI's own
+    quantiser. The prompt streams equal those of the folder whose Gemma holds ComfyUI's dequantisation of the same
+    layers; they differ from the unquantised model's, so the quantisation is not ignored."""
+    import json
+    import shutil
+
+    from comfy_kitchen.backends.eager.quantization import dequantize_nvfp4, quantize_nvfp4
+    from safetensors.torch import load_file, save_file
+
+    from tpu_runtime.engine.tiny import fp8_quantise
+    from tpu_runtime.families.ltx2.model import LTX2Family
+
+    folder, files = ltx2_files
+    text = load_file(str(files["text_encoder"]))
+    mixed, held, layers = {}, {}, {}
+    for key, value in text.items():
+        layer = key[: -len(".weight")]
+        if key.startswith("model.layers.") and ".mlp." in key and key.endswith(".weight"):
+            scale = (value.abs().max() / (6.0 * 448.0)).float()
+            packed, blocks = quantize_nvfp4(value.float(), scale)
+            mixed.update({key: packed, f"{layer}.weight_scale": blocks, f"{layer}.weight_scale_2": scale})
+            held[key] = dequantize_nvfp4(packed, scale, blocks, torch.float32)
+            layers[layer] = {"format": "nvfp4"}
+        elif key.startswith("model.layers.") and ".self_attn." in key and key.endswith("_proj.weight"):
+            mixed[key], mixed[f"{layer}.weight_scale"] = fp8_quantise(value)
+            held[key] = mixed[key].float() * mixed[f"{layer}.weight_scale"]
+            layers[layer] = {"format": "float8_e4m3fn"}
+        else:
+            mixed[key] = value
+    assert {c["format"] for c in layers.values()} == {"nvfp4", "float8_e4m3fn"}
+    fp4 = tmp_path / "gemma_3_12B_it_fp4_mixed.safetensors"
+    from safetensors import safe_open
+
+    with safe_open(str(files["text_encoder"]), framework="pt") as f:
+        metadata = dict(f.metadata() or {})
+    save_file(mixed, str(fp4), metadata={**metadata, "_quantization_metadata": json.dumps({"layers": layers})})
+    reference = tmp_path / "reference"
+    shutil.copytree(folder, reference)
+    weights = next((reference / "text_encoder").glob("*.safetensors"))
+    state = load_file(str(weights))
+    for key, value in held.items():
+        name = "language_model.model." + key[len("model."):]
+        assert state[name].shape == value.shape
+        state[name] = value
+    save_file(state, str(weights), metadata={"format": "pt"})
+    ours = LTX2Family(files=dict(files, text_encoder=fp4), dtype="float32").encode("a red ball bounces", "blurry")
+    want = LTX2Family(reference, dtype="float32").encode("a red ball bounces", "blurry")
+    plain = LTX2Family(folder, dtype="float32").encode("a red ball bounces", "blurry")
+    for name in ("prompt_embeds", "negative_prompt_embeds", "audio_prompt_embeds", "negative_audio_prompt_embeds"):
+        torch.testing.assert_close(getattr(ours, name), getattr(want, name), atol=1e-5, rtol=1e-5)
+    assert (ours.prompt_embeds - plain.prompt_embeds).abs().max() > 1e-3
+
+
+def test_unknown_quantisations_are_refused_when_opened(ltx2_files, tmp_path):
+    """A format this pack does not dequantise in ``_quantization_metadata`` (ComfyUI's mxfp8, int8 block-wise) or
+    packed integer weights without NVFP4's scales are refused when the model is opened, naming the file, the
+    format and the fix."""
     import json
 
     from safetensors.torch import load_file, save_file
 
     _, files = ltx2_files
-    state = load_file(str(files["checkpoint"]))
-    layer = "model.diffusion_model.transformer_blocks.0.attn1.to_q"
-    rows, cols = state[f"{layer}.weight"].shape
-    state[f"{layer}.weight"] = torch.zeros(rows, cols // 2, dtype=torch.uint8)
-    state[f"{layer}.weight_scale"] = torch.ones(rows, cols // 16, dtype=torch.float8_e4m3fn)
-    state[f"{layer}.weight_scale_2"] = torch.tensor(1.0)
-    fp4 = tmp_path / "ltx-2-19b-dev-fp4.safetensors"
-    save_file(state, str(fp4))
-    with pytest.raises(ModelFolderError, match="ltx-2-19b-dev-fp4.safetensors is quantised as NVFP4.*bf16, fp16 or fp8"):
-        registry.open_model(files=dict(files, checkpoint=fp4))
     text = load_file(str(files["text_encoder"]))
     int8 = tmp_path / "gemma_int8.safetensors"
     save_file(text, str(int8), metadata={"_quantization_metadata": json.dumps(
         {"layers": {"model.layers.0.self_attn.q_proj": {"format": "int8_blockwise", "group_size": 128}}})})
-    with pytest.raises(ModelFolderError, match="gemma_int8.safetensors is quantised as int8_blockwise"):
+    with pytest.raises(ModelFolderError, match="gemma_int8.safetensors is quantised as int8_blockwise.*bf16"):
         registry.open_model(files=dict(files, text_encoder=int8))
+    state = load_file(str(files["checkpoint"]))
+    layer = "model.diffusion_model.transformer_blocks.0.attn1.to_q"
+    state[f"{layer}.weight"] = torch.zeros_like(state[f"{layer}.weight"], dtype=torch.int8)
+    state[f"{layer}.weight_scale"] = torch.tensor(0.01)
+    packed = tmp_path / "ltx-2-19b-dev-int8.safetensors"
+    save_file(state, str(packed))
+    with pytest.raises(ModelFolderError, match="ltx-2-19b-dev-int8.safetensors is quantised as packed integers"):
+        registry.open_model(files=dict(files, checkpoint=packed))

@@ -14,8 +14,10 @@ both hold ``weight * scale``, which is what is loaded: the older "scaled fp8" fi
 tensor, a 0-dim ``<layer>.scale_weight`` per Linear, maybe ``.scale_input``) and its per-layer format (the
 ``<layer>.weight_scale`` beside each quantised weight, maybe ``.input_scale``, the layer's format in a
 ``<layer>.comfy_quant`` JSON tensor or in the ``_quantization_metadata`` entry of the file's metadata: LTX-2's
-fp8 checkpoints). Scales, formats and markers are consumed, not reported as unknown keys. NVFP4 (4-bit, packed
-in uint8 with ``.weight_scale_2``) is refused when the file is opened: it is not dequantised here.
+fp8 checkpoints). NVFP4 layers of the same per-layer format (ComfyUI's ``_fp4`` and ``_fp4_mixed`` files: two
+4-bit values a byte, a float8 scale per 16 values in ``.weight_scale``, one float32 in ``.weight_scale_2``) are
+dequantised too; ``read_header`` reports their unpacked shape. Scales, formats and markers are consumed, not
+reported as unknown keys; other formats (mxfp8, int8) are refused when the file is opened.
 """
 
 from __future__ import annotations
@@ -129,12 +131,16 @@ def read_header(path: Path, what: str = "") -> dict[str, tuple[tuple[int, ...], 
                           f"{end + 8 + size:,} (an interrupted download?)")
         tensors[key] = (shape, dtype)
     _check_quantisation(name, tensors, header.get("__metadata__") or {})
+    for key in [k for k in tensors if k.endswith(".weight") and f"{k}_scale_2" in tensors]:
+        (rows, half), _ = tensors[key]  # NVFP4: two 4-bit values a byte; the layer's shape is twice as wide
+        tensors[key] = ((rows, 2 * half), "NVFP4")
     return tensors
 
 
 def _check_quantisation(name: str, tensors: dict, metadata: dict) -> None:
-    """Refuse a quantisation this pack does not dequantise (ComfyUI's NVFP4 "fp4" files, an unknown format in the
-    file's ``_quantization_metadata``) when the file is opened, not when its weights are read."""
+    """Refuse a quantisation this pack does not dequantise (a format other than fp8 and NVFP4 in the file's
+    ``_quantization_metadata`` or ``.comfy_quant`` records, e.g. mxfp8 or int8; packed weights of another kind) when
+    the file is opened, not when its weights are read."""
     formats = set()
     if "_quantization_metadata" in metadata:
         try:
@@ -143,13 +149,13 @@ def _check_quantisation(name: str, tensors: dict, metadata: dict) -> None:
         except (ValueError, AttributeError):
             raise DamagedFile(f"{name} has a damaged _quantization_metadata entry: re-download it",
                               "damaged quantisation metadata") from None
-    packed = [k for k in tensors if k.endswith(".weight_scale_2")
-              or (k.endswith(".weight_scale") and tensors.get(f"{k[: -len('_scale')]}", ((), ""))[1] == "U8")]
-    unknown = sorted(formats - set(FP8_FORMATS))
+    packed = sorted(k for k in tensors if k.endswith(".weight_scale") and f"{k}_2" not in tensors
+                    and tensors.get(k[: -len("_scale")], ((), ""))[1] in ("U8", "I8"))
+    unknown = sorted(formats - set(FP8_FORMATS) - {"nvfp4"})
     if packed or unknown:
-        what = ", ".join(unknown) if unknown else "NVFP4 (4-bit, e.g. a file named ..._fp4 or ..._nvfp4)"
+        what = ", ".join(unknown) if unknown else f"packed integers ({packed[0][: -len('_scale')]})"
         raise ModelFolderError(f"{name} is quantised as {what}, which this pack does not dequantise: use the "
-                               "bf16, fp16 or fp8 version of the file")
+                               "bf16, fp16, fp8 or nvfp4 version of the file")
 
 
 def check_files(files: Iterable[Path], what: str = "") -> None:
@@ -202,6 +208,9 @@ class TensorSource:
         tensor = self.raw(key)
         base = key[: -len(".weight")] if key.endswith(".weight") else None
         scale_key = next((base + s for s in WEIGHT_SCALES if base is not None and base + s in self.where), None)
+        if base is not None and f"{base}.weight_scale_2" in self.where:
+            return dequantise_nvfp4(tensor, self.raw(f"{base}.weight_scale"), self.raw(f"{base}.weight_scale_2"),
+                                    dtype)
         scale = self.raw(scale_key).float() if scale_key else torch.tensor(1.0)
         if tensor.dtype in FP8_DTYPES and scale.numel() == 1 and dtype in _SAME_SIZE_INT:
             return dequantise_fp8(tensor, scale, dtype)
@@ -244,6 +253,33 @@ def dequantise_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
         spans = [slice(i, min(i + chunk, codes.size)) for i in range(0, codes.size, chunk)]
         list(_POOL[0].map(lambda sl: np.take(table, codes[sl], out=out[sl]), spans))
     return torch.from_numpy(out).view(dtype).reshape(q.shape)
+
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantise_nvfp4(packed: torch.Tensor, block_scales: torch.Tensor, tensor_scale: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """ComfyUI's NVFP4 weight (its ``..._fp4`` / ``..._fp4_mixed`` files) as a ``dtype`` matrix: ``packed`` holds
+    two E2M1 values a byte (the even column in the high nibble), ``block_scales`` one float8_e4m3fn scale per 16
+    values of a row, stored in cuBLAS' tiled layout (128 rows x 4 scales a tile, tiles row-major, each written as
+    32 x 16: row ``r`` of a tile at ``(r % 32, (r // 32) * 4 + column)``), ``tensor_scale`` one float32. Each
+    weight is value x (tensor scale x block scale) in float32, as ComfyUI's own dequantisation computes it in
+    float32, then cast to ``dtype``."""
+    import numpy as np
+
+    rows, cols = packed.shape[0], 2 * packed.shape[1]
+    tiles_r, tiles_c = -(-rows // 128), -(-(cols // 16) // 4)
+    tiled = block_scales.float().numpy().reshape(tiles_r, tiles_c, 32, 4, 4)  # [tile r, tile c, r % 32, r // 32, c]
+    scales = tiled.transpose(0, 3, 2, 1, 4).reshape(tiles_r * 128, tiles_c * 4)[:rows, : cols // 16]
+    total = np.float32(tensor_scale.float().item()) * scales
+    codes = packed.contiguous().numpy()
+    values = np.empty((rows, cols), np.float32)
+    table = np.array(E2M1_VALUES, np.float32)
+    values[:, 0::2] = table[codes >> 4]
+    values[:, 1::2] = table[codes & 15]
+    out = values.reshape(rows, cols // 16, 16) * total[:, :, None]
+    return torch.from_numpy(out.reshape(rows, cols)).to(dtype)
 
 
 def _keep_fp32(name: str, patterns: Iterable[str]) -> bool:
