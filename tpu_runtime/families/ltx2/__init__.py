@@ -89,8 +89,8 @@ SPEC = FamilySpec(
         upsample_doc="Two-stage generation: the video latents at twice the width and height (the spatial latent "
                      "upsampler), the sound's as they are; feed them to a second sampler (sigmas stage2) to refine.",
         files_loader=FilesLoaderNode(
-            description="Loads LTX-2 from ComfyUI's single files (the all-in-one checkpoint and Gemma 3; bf16, fp16 "
-                        "or fp8, dequantised on load); the architecture is read from the weights.",
+            description="Loads LTX-2 from ComfyUI's single files (the all-in-one checkpoint and Gemma 3; bf16, fp16, "
+                        "fp8 or nvfp4, dequantised on load); the architecture is read from the weights.",
             required=(("checkpoint", "checkpoint", "models/checkpoints: e.g. ltx-2-19b-dev"),
                       ("text_encoder", "text_encoder", "models/text_encoders: gemma_3_12B_it")),
             optional=(("latent_upscaler", "latent_upscaler", "models/latent_upscale_models: "
