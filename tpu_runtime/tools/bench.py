@@ -362,11 +362,34 @@ def bench_ltx2_file_load(size_mb: int, dtypes=("bfloat16",)) -> dict:
     out = {"layers": config["num_layers"], "folder_mb": sum(
         f.stat().st_size for f in (folder / "transformer").iterdir()) / 2**20,
         "checkpoint_mb": {k: v["checkpoint"].stat().st_size / 2**20 for k, v in files.items()}}
+    out["fp8_dequantise"] = _fp8_dequantise_speed(files["fp8"]["checkpoint"])
     for dtype in dtypes:
         out[dtype] = {"bf16": _load_in_child("ltx2-bf16", work / "files", dtype),
                       "fp8": _load_in_child("ltx2-fp8", work / "files", dtype),
                       "folder": _load_in_child("ltx2-folder", folder, dtype)}
     return out
+
+
+def _fp8_dequantise_speed(path: Path, repeats: int = 3) -> dict:
+    """Seconds per fp8 weight of a checkpoint turned into bfloat16 x scale: the loader's table (``TensorSource.get``)
+    against torch's elementwise ``(q.float() * scale).to(bfloat16)``, in this process, medians of ``repeats``."""
+    import torch
+
+    from ..engine.weights import TensorSource
+
+    source = TensorSource([path])
+    keys = [k for k in source.keys() if source.raw(k).dtype == torch.float8_e4m3fn]
+    weights = sum(source.raw(k).numel() for k in keys)
+
+    def table():
+        for k in keys:
+            source.get(k, torch.bfloat16)
+
+    def elementwise():
+        for k in keys:
+            (source.raw(k).float() * source.raw(k[: -len("weight")] + "weight_scale").float()).to(torch.bfloat16)
+
+    return {"weights": weights, "table_s": _timed(table, repeats), "torch_s": _timed(elementwise, repeats)}
 
 
 def print_ltx2_load_table(r: dict) -> None:
@@ -381,6 +404,10 @@ def print_ltx2_load_table(r: dict) -> None:
                 print(f"  {dtype:<10} {label:<22} {x['seconds']:>7.2f} {x['loaded_bytes'] / 2**20:>11.0f} "
                       f"{x['anon_increase_mib']:>19.0f}")
     print("  (on a CPU backend the placed copy is host memory too)")
+    d = r["fp8_dequantise"]
+    print(f"  fp8 -> bfloat16 x scale, {d['weights'] / 1e6:.0f}M weights in this process: the loader's table "
+          f"{d['table_s'] * 1e9 / d['weights']:.2f} ns a weight, torch elementwise "
+          f"{d['torch_s'] * 1e9 / d['weights']:.2f} ns ({d['torch_s'] / d['table_s']:.1f}x)")
 
 
 def bench_folder_load(size_mb: int, dtypes=("bfloat16", "float32")) -> dict:
