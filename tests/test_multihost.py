@@ -62,8 +62,9 @@ def _slice_env(port: int, process_id: int, processes: int = 2) -> dict:
     return env
 
 
-def _report(proc) -> dict:
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+def _report(proc, worker_log: Path | None = None) -> dict:
+    other = f"\n--- the worker's log ---\n{worker_log.read_text()[-5000:]}" if worker_log and worker_log.exists() else ""
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:] + other
     return json.loads(proc.stdout.split("REPORT ", 1)[1])
 
 
@@ -78,7 +79,7 @@ def _run_slice(tmp: Path, jobs, driver_cwd: Path, worker_cwd: Path):
         (tmp / "jobs.json").write_text(json.dumps(jobs))
         driver = subprocess.run([sys.executable, JOB, str(tmp / "out"), str(tmp / "jobs.json")], cwd=driver_cwd,
                                 env=_slice_env(port, 0), capture_output=True, text=True, timeout=1200)
-        report = _report(driver)
+        report = _report(driver, tmp / "worker.log")
         try:
             code = worker.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -296,7 +297,7 @@ def test_the_readme_launch_lines_work_and_both_exit_cleanly(models, tmp_path):
         return [{"generate": "readme", "model": str(models["cogvideox"]), "mesh": MESHES["tp"], **SIZE}]
 
     driver, worker_code, worker_log = _readme_slice(tmp_path, jobs)
-    report = _report(driver)
+    report = _report(driver, tmp_path / "worker.log")
     assert report["processes"] == 2 and report["readme"]["devices"] == 8
     assert worker_code == 0 and "the first process closed the slice" in worker_log
     for text in (driver.stderr, worker_log):  # clean exits: no traceback, no JAX shutdown error
@@ -315,7 +316,7 @@ def test_a_worker_killed_inside_a_step_is_reported_within_the_bound(models, tmp_
                  "mesh": MESHES["tp"], "wait": 0, **SIZE}]
 
     driver, worker_code, _ = _readme_slice(tmp_path, jobs, pin=pin)
-    kill = _report(driver)["kill"]
+    kill = _report(driver, tmp_path / "worker.log")["kill"]
     print("kill inside a step:", json.dumps({k: v for k, v in kill.items() if k != "next_call"}))
     assert worker_code == -9
     assert kill["error"] and "worker 1" in kill["error"] and "incomplete" in kill["error"], kill
