@@ -245,6 +245,92 @@ def test_closing_the_slice_stops_the_heartbeat_on_every_process(process_id, brok
     assert shutdown == (process_id == 0 and broken is None)
 
 
+class _SharedStore:
+    """The coordination service's key-value store in memory, shared by the slice's processes as threads: blocking
+    gets, and deletes that take everything under a key, as the service's."""
+
+    def __init__(self):
+        import threading
+
+        self.values, self.changed = {}, threading.Condition()
+
+    def client(self, slow_after: str | None = None):
+        return _StoreClient(self, slow_after)
+
+
+class _StoreClient:
+    """One process's client; ``slow_after``: after writing a key holding that text, this process stalls for a
+    second (descheduled on a busy machine) before its next call."""
+
+    def __init__(self, store: _SharedStore, slow_after: str | None):
+        self.store, self.slow_after = store, slow_after
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        with self.store.changed:
+            self.store.values[key] = value
+            self.store.changed.notify_all()
+        if self.slow_after and self.slow_after in key:
+            time.sleep(1.0)
+
+    key_value_set_bytes = key_value_set
+
+    def key_value_try_get(self, key):
+        with self.store.changed:
+            if key not in self.store.values:
+                raise KeyError(f"NOT_FOUND: {key}")
+            return self.store.values[key]
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        with self.store.changed:
+            if not self.store.changed.wait_for(lambda: key in self.store.values, timeout_ms / 1000):
+                raise TimeoutError(f"DEADLINE_EXCEEDED: {key}")
+            return self.store.values[key]
+
+    blocking_key_value_get_bytes = blocking_key_value_get
+
+    def key_value_delete(self, key):
+        with self.store.changed:
+            for k in [k for k in self.store.values if k == key or k.startswith(key + "/")]:
+                del self.store.values[k]
+
+
+def test_a_refused_call_leaves_a_slow_worker_in_step(tmp_path):
+    """A call a worker refuses (here: a model file it lacks) is refused on every process, and the next call is
+    answered. The first process publishes "abort" and used to delete the call's keys at once: a worker
+    descheduled between its answer and reading that word (a busy machine: a CI run) then waited for a word that
+    never came, and the next call timed out as "worker 1 did not answer". The worker here stalls a second after
+    each answer; the first process now waits until every worker has read the word."""
+    import threading
+    from types import SimpleNamespace
+
+    from tpu_runtime.multihost.transport import Slice
+    from tpu_runtime.multihost.worker import serve
+
+    store = _SharedStore()
+    first = Slice(store.client(), 0, 2, worker_timeout=6, heartbeat_timeout=30)
+    worker = Slice(store.client(slow_after="/ready/"), 1, 2, worker_timeout=6, heartbeat_timeout=30)
+    for s in (first, worker):
+        s.start_heartbeat()
+    runtime = SimpleNamespace(devices=[0, 1], local_devices=[1])
+    code = []
+    serving = threading.Thread(target=lambda: code.append(serve(runtime, worker)), daemon=True)
+    serving.start()
+    try:
+        for k in range(3):  # each refused, each answered: the slice stays in step
+            missing = str(tmp_path / f"model_{k}.safetensors")
+            start = time.monotonic()
+            with pytest.raises(InputError, match=f"worker 1: {missing} is missing on this host"):
+                first.call("open", None, None, (), {}, lambda a, kw: None, files={missing: "1:abc"},
+                           cls_name="CogVideoXFamily")
+            assert time.monotonic() - start < 5
+        assert first._next == 3 and not first.broken
+    finally:
+        first.close()
+        serving.join(timeout=10)
+        worker.close()
+    assert code == [0]  # the worker saw the shutdown of call 3: it had followed every call
+
+
 def test_a_different_file_on_a_worker_is_named(tmp_path):
     f = tmp_path / "model.safetensors"
     f.write_bytes(b"x" * 1000)

@@ -411,6 +411,9 @@ class Slice:
             refused = {i: why for i, why in ready.items() if why != "ok"}
             self._set(f"go/{n}", "abort" if refused else "run")
             if refused:
+                # every worker has read "abort" before the call's keys are deleted: one that had not would wait
+                # for a word that never comes, and the next call would find it stuck
+                self._collect(f"done/{n}", f"{what} being refused")
                 self._forget(n)
                 raise InputError("; ".join(f"{self.names[i]}: {why}" for i, why in refused.items()))
             gate = None

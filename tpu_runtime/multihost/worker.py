@@ -110,7 +110,9 @@ def serve(runtime, slice_: Slice) -> int:
             except Exception as exc:  # noqa: BLE001
                 log.exception("call %d failed", n)
                 done = f"{type(exc).__name__}: {exc}"
-            slice_._set(f"done/{n}/{me}", done)
+        else:
+            done = "aborted"  # the first process refused the call (this host's answer or another's)
+        slice_._set(f"done/{n}/{me}", done)
         n += 1
 
 
