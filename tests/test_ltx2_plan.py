@@ -4,6 +4,7 @@ the release's size, and its sampler step compiles for a real TPU slice with 2.3'
 from __future__ import annotations
 
 import inspect
+import re
 import tempfile
 from pathlib import Path
 
@@ -118,3 +119,56 @@ def test_plan_compiles_the_ltx2_3_step_for_v6e8_with_its_stg_pass():
         split = int(np.prod([mesh[a] for a in spec if a is not None])) if spec else 1
         expected += int(np.prod(struct.shape)) * struct.dtype.itemsize // split
     assert sample.weights_bytes_per_chip == expected
+
+
+def test_plan_takes_the_distilled_release_as_one_pass_a_step():
+    """``ltx2-19b-distilled`` is planned as Lightricks' distilled recipe runs it: the dev transformer's shapes, one
+    transformer pass a step (positive prompt only: batch 1, so no CFG half of the mesh; six splash kernels a block
+    where the dev step's two passes have ten), diffusers' eight distilled sigmas; the report says so. A step count
+    given to plan replaces the release's and is checked like any other (the distilled sigmas are eight)."""
+    from diffusers.pipelines.ltx2.utils import DISTILLED_SIGMA_VALUES
+
+    from tpu_runtime.errors import InputError
+    from tpu_runtime.tools.plan import ModelSource, format_report, plan
+
+    size = dict(height=128, width=192, frames=9, layers=1, stages=("sample",), max_candidates=1)
+    report = plan(ModelSource("ltx2-19b-distilled"), "v6e-8", **size)
+    assert report.sampling == {"guidance": 1.0, "audio_guidance": 1.0, "stg_scale": 0.0, "modality_scale": 1.0,
+                               "sigmas": "distilled", "steps": len(DISTILLED_SIGMA_VALUES)}
+    assert not report.cfg and report.mesh == "dp=1,sp=1,tp=8", (report.cfg, report.mesh)
+    sample = report.stages["sample"]
+    assert sample.compiled and sample.mosaic_kernels == 6, sample
+    assert "sampling (the release's settings; --guidance, --steps replace them): guidance 1, audio_guidance 1, stg_scale 0" in format_report(report)
+    with pytest.raises(InputError, match="8 steps"):
+        plan(ModelSource("ltx2-19b-distilled"), "v6e-8", steps=4, **size)
+
+
+def test_a_larger_slice_for_the_distilled_step_keeps_its_batch_of_one_whole():
+    """Without CFG there is no batch of two to put on dp: the larger slice plan suggests for the distilled 19B on
+    v5e-8 (its step as compiled at full size, 6.83 GiB of temporaries beside 14.49 GiB resident) is all tensor
+    parallel, a mesh the model accepts for one pass; it used to be dp=2, which that model refuses."""
+    from tpu_runtime.engine.sharding import parse_mesh, validate_mesh
+    from tpu_runtime.tools.plan import (GIB, MeshReport, ModelSource, StageReport, open_abstract, parse_topology,
+                                        suggestions)
+    from tpu_runtime.tools.plan_compile import shard_bytes
+
+    topo = parse_topology("v5e-8")
+    source = ModelSource("ltx2-19b-distilled")
+    family = open_abstract(source, topo.devices(), Path(tempfile.mkdtemp()), mesh="dp=1,sp=1,tp=8")
+    names = ("text_encoder", "connectors", "transformer", "vae", "audio_vae", "vocoder")
+    for name in names:
+        family._component(name)
+    resident = sum(shard_bytes(family._states[n]) for n in names)
+    step_weights, temp = shard_bytes(family._states["transformer"]), int(6.83 * GIB)
+    report = MeshReport("dp=1,sp=1,tp=8", False, resident, resident + temp, {
+        "sample": StageReport(compiled=True, weights_bytes_per_chip=step_weights,
+                              total_bytes_per_chip=step_weights + temp)})
+    (advice,) = [a for a in suggestions(source, family, report, topo, None, ("sample",), cfg=False)
+                 if a.startswith("a larger slice")]
+    name, mesh = re.search(r"a larger slice: (\S+) with mesh (\S+),", advice).groups()
+    spec = parse_mesh(mesh)
+    assert spec.dp == 1, advice
+    validate_mesh(spec, parse_topology(name).device_count, family.heads, batch=1)
+    with_cfg = [a for a in suggestions(source, family, report, topo, None, ("sample",), cfg=True)
+                if a.startswith("a larger slice")]
+    assert with_cfg and "mesh dp=2," in with_cfg[0], with_cfg  # the CFG batch's halves on dp, as before

@@ -392,6 +392,10 @@ class ModelFamily:
                 f"{tuple(expected)}: re-run the text encode stage with this model"
             )
 
+    def uses_cfg(self, s: SampleSettings) -> bool:
+        """Whether settings ``s`` sample with the CFG batch (negative and positive prompt), as diffusers decides."""
+        return (self.DEFAULT_GUIDANCE if s.guidance is None else float(s.guidance)) > 1.0
+
     def check_cfg_mesh(self, cfg: bool) -> None:
         validate_mesh(self.mesh_spec, len(self.devices), self.heads, batch=2 if cfg else 1)
 

@@ -77,6 +77,18 @@ def known_models() -> list[str]:
     return list(architectures())
 
 
+# The keys of a known model's entry that are facts about it, not files of its folder: where it is published, and
+# the sampling settings its release is run with where they differ from the family's defaults (a distilled model).
+ENTRY_FACTS = ("repo", "sampling")
+
+
+def architecture_sampling(name: str) -> dict:
+    """The sampling settings known model ``name`` is released to run with (SampleSettings fields; empty: the
+    family's defaults)."""
+    entry = architectures().get(name.lower())
+    return dict(entry[1].get("sampling", {})) if entry else {}
+
+
 def write_architecture(name: str, folder: str | Path) -> Path:
     """Write the config-only model folder of known model ``name`` into ``folder`` and return it."""
     import json
@@ -88,7 +100,7 @@ def write_architecture(name: str, folder: str | Path) -> Path:
                          f"{', '.join(known)}")
     root = Path(folder) / key
     for relative, content in known[key][1].items():
-        if relative == "repo":
+        if relative in ENTRY_FACTS:
             continue
         path = root / relative
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -85,6 +85,7 @@ class PlanReport:
     why: str = ""
     step_cache: str = "none"
     step_cache_bytes_per_chip: int = 0
+    sampling: dict = field(default_factory=dict)  # the release's own sampling settings it was planned with
     candidates: list[dict] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -126,6 +127,15 @@ def open_abstract(source: ModelSource, devices, workdir: Path, *, mesh=None, dty
     return registry.open_model(str(path), **options)
 
 
+def release_sampling(source: ModelSource) -> dict:
+    """The sampling settings of a known model named by ``source`` (a distilled release's; empty for a folder)."""
+    from ..families import registry
+
+    if source.model is None or Path(source.model).expanduser().exists():
+        return {}
+    return registry.architecture_sampling(source.model)
+
+
 def candidate_meshes(chips: int, heads: int, cfg: bool, fsdp: bool = False) -> list[MeshSpec]:
     """The default mesh first, then all-tp and (with CFG) the other dp/tp splits the heads allow; with ``fsdp``
     only meshes with dp (FSDP splits the weights over it)."""
@@ -141,7 +151,7 @@ def candidate_meshes(chips: int, heads: int, cfg: bool, fsdp: bool = False) -> l
 
 # --- the plan --------------------------------------------------------------------------------------------------
 def plan(source: ModelSource, topology: str | Topology, *, height: int | None = None, width: int | None = None,
-         frames: int | None = None, guidance: float | None = None, steps: int = 50, mesh=None,
+         frames: int | None = None, guidance: float | None = None, steps: int | None = None, mesh=None,
          dtype: str = "bfloat16", attention=None, fsdp: bool = False, vae_sharding: str = "auto",
          stages=STAGES, layers: int | None = None, max_candidates: int = 3, every_stage: bool = False,
          cache: str = "none") -> PlanReport:
@@ -151,6 +161,8 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
     memory is chosen. Bad input raises ``InputError`` before anything compiles. Once a mesh's answer is "does not
     fit", its other stages are not compiled unless ``every_stage``. ``cache`` ("magcache", "first-block"): the
     sampler's programs are a step-cached run's, and what its cache keeps between steps counts with the weights.
+    A known model released with its own sampling settings (a distilled one: one pass a step) is planned with them;
+    ``guidance`` and ``steps`` given here replace theirs.
     """
     from ..engine.stages import METHODS
 
@@ -169,9 +181,15 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
         base = open_abstract(source, devices, Path(work), mesh=mesh, dtype=dtype, attention=attention, fsdp=fsdp,
                              vae_sharding=vae_sharding, layers=layers)
         nh, nw, nf = base.native_size()
-        settings = SampleSettings(height or nh, width or nw, frames or nf, steps=steps,
-                                  guidance=base.DEFAULT_GUIDANCE if guidance is None else float(guidance))
-        cfg = settings.guidance > 1.0
+        sampling = release_sampling(source)
+        if guidance is not None:
+            sampling["guidance"] = float(guidance)
+        if steps is not None:
+            sampling["steps"] = steps
+        sampling.setdefault("guidance", base.DEFAULT_GUIDANCE)
+        sampling.setdefault("steps", 50)
+        settings = SampleSettings(height or nh, width or nw, frames or nf, **sampling)
+        cfg = base.uses_cfg(settings)
         if parse_mesh(mesh) is None and not cfg and base.mesh_spec != default_mesh(len(devices), base.heads, cfg):
             base = open_abstract(source, devices, Path(work), mesh=default_mesh(len(devices), base.heads, cfg),
                                  dtype=dtype, attention=attention, fsdp=fsdp, vae_sharding=vae_sharding, layers=layers)
@@ -193,6 +211,7 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
             model=source.label, topology=topo.name, chips=topo.chips, hosts=topo.hosts, chip_hbm_bytes=topo.hbm_bytes,
             devices_per_chip=topo.devices_per_chip,
             height=settings.height, width=settings.width, frames=settings.num_frames, cfg=cfg, dtype=base.dtype_name,
+            sampling={k: getattr(settings, k) for k in release_sampling(source)},
             attention=base.attention.impl + (" (exp2)" if base.attention.exp2 else ""), fsdp=fsdp,
             vae_sharding=base.vae_sharding, layers=layers, mesh=chosen.mesh, fits=chosen.fits,
             peak_bytes_per_chip=chosen.peak_bytes_per_chip, stages=chosen.stages,
@@ -202,7 +221,7 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
                         for r in results],
         )
         if not report.fits:
-            report.suggestions = suggestions(source, base, chosen, topo, layers, stages)
+            report.suggestions = suggestions(source, base, chosen, topo, layers, stages, cfg)
     report.seconds = round(time.perf_counter() - start, 1)
     report.host_peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return report
@@ -242,7 +261,7 @@ def _plan_mesh(family, settings: SampleSettings, stages, topo: Topology, every_s
     every = family.plan_programs(settings)
     held, cache_inputs = 0, {}
     if cache != "none":
-        every, held, cache_inputs = _with_step_cache(family, every, cache, settings.guidance > 1.0)
+        every, held, cache_inputs = _with_step_cache(family, every, cache, family.uses_cfg(settings))
     programs = [p for stage in stages for p in every if p.stage == stage]
     components = sorted({c for p in every for c in p.components})
     for c in components:  # a program names every component it takes turns with (Wan 2.2's second expert)
@@ -285,8 +304,10 @@ def _beside(stage: StageReport, resident_inputs: int = 0) -> int:
     return max(0, stage.total_bytes_per_chip - stage.weights_bytes_per_chip - resident_inputs)
 
 
-def suggestions(source: ModelSource, family, report: MeshReport, topo: Topology, layers, stages) -> list[str]:
-    """What would fit instead, estimated from the weights' shardings and the activations just compiled."""
+def suggestions(source: ModelSource, family, report: MeshReport, topo: Topology, layers, stages,
+                cfg: bool = True) -> list[str]:
+    """What would fit instead, estimated from the weights' shardings and the activations just compiled (``cfg``:
+    the plan samples with the CFG batch, which a larger slice's mesh puts on dp; without it dp stays 1)."""
     from ..engine.runtime import get_runtime
 
     runtime = get_runtime()
@@ -344,7 +365,7 @@ def suggestions(source: ModelSource, family, report: MeshReport, topo: Topology,
             devices = bigger.devices()
         except InputError:
             continue
-        spec = default_mesh(bigger.device_count, family.heads)
+        spec = default_mesh(bigger.device_count, family.heads, cfg)
         estimate = weights_for(spec, family.fsdp, devices) + activations * topo.device_count // bigger.device_count
         if estimate <= margin * hbm:
             out.append(f"a larger slice: {bigger.name} with mesh {spec}, about {estimate / GIB:.1f} GiB per chip "
@@ -405,6 +426,11 @@ def format_report(r: PlanReport) -> str:
         f"plan: {r.model} at {r.width}x{r.height}x{r.frames} ({'CFG' if r.cfg else 'no CFG'}, {r.dtype}, "
         f"{r.attention} attention{depth})",
         f"  on {r.topology}: {hardware}; mesh {r.mesh}{', FSDP' if r.fsdp else ''}, VAE {r.vae_sharding}",
+    ]
+    if r.sampling:
+        values = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.sampling.items())
+        lines.append(f"  sampling (the release's settings; --guidance, --steps replace them): {values}")
+    lines += [
         f"  {'stage':<12}{'compiled':>9}{'weights':>9}{'temp':>8}{'total':>8} (GiB/{unit})"
         f"{'all-red':>9}{'all-gat':>9}{'mosaic':>8}{'compile s':>11}",
     ]
@@ -463,7 +489,8 @@ def add_args(parser) -> None:
     parser.add_argument("--frames", type=int, help="default: the model's native length")
     parser.add_argument("--guidance", type=float, help="CFG scale; 1 or less plans without CFG (batch 1); "
                         "default: the model's")
-    parser.add_argument("--steps", type=int, default=50, help="sampling steps (the scheduler's plan)")
+    parser.add_argument("--steps", type=int, help="sampling steps (the scheduler's plan); default: 50, or the "
+                        "release's (a distilled model's 8)")
     parser.add_argument("--mesh", help="dp=N,sp=N,tp=N; default: try candidate meshes and pick the smallest fit")
     parser.add_argument("--candidates", type=int, default=3, help="how many meshes to try without --mesh (1: the "
                         "default mesh only)")
@@ -510,7 +537,7 @@ def run(args) -> int:
 
     for name, value in (("--height", args.height), ("--width", args.width), ("--frames", args.frames)):
         check_number(name, value, minimum=1, integer=True, optional=True)
-    check_number("--steps", args.steps, minimum=1, integer=True)
+    check_number("--steps", args.steps, minimum=1, integer=True, optional=True)
     check_number("--candidates", args.candidates, minimum=1, integer=True)
     check_number("--guidance", args.guidance, minimum=0.0, optional=True)
     check_number("--layers", args.layers, minimum=1, integer=True, optional=True)

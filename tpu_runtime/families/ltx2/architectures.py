@@ -16,10 +16,10 @@ block, no residual upsamplers), the audio VAE (as 2.0) and the vocoder (``LTX2Vo
 band extension), over the class defaults of the installed diffusers. The script has no 2.3 branch for the text
 encoder, the latent upsampler or the scheduler: Gemma 3 12B, the upsampler class's defaults and 2.0's scheduler.
 
-The distilled checkpoints have the dev ones' shapes but sample with other settings (no CFG, STG or modality
-isolation, eight steps): ``plan`` takes its guidance defaults from the family, not from the architecture, and has
-no option for the audio guidance, STG or modality scales (``--guidance 1`` alone keeps the CFG batch for the sound's
-guidance of 7), so they are not listed under names of their own: their step would be planned as dev's.
+``ltx2-19b-distilled`` and ``ltx2.3-22b-distilled`` are the distilled checkpoints of the same releases: the dev
+ones' shapes, sampled as Lightricks' distilled recipe does (one transformer pass a step: guidance and audio guidance
+1, no STG, no modality isolation; diffusers' eight distilled sigmas). An entry's ``sampling`` is those settings,
+which ``plan`` uses for it where its own options do not say otherwise (it is not a file of the folder).
 """
 
 from __future__ import annotations
@@ -160,4 +160,16 @@ def _ltx2_3_22b() -> dict:
     return entry
 
 
-ARCHITECTURES: dict[str, dict] = {"ltx2-19b": _ltx2_19b(), "ltx2.3-22b": _ltx2_3_22b()}
+# The distilled recipe (diffusers' LTX-2 pipelines with the distilled checkpoint): one pass a step, 8 sigmas.
+DISTILLED = {"guidance": 1.0, "audio_guidance": 1.0, "stg_scale": 0.0, "modality_scale": 1.0, "sigmas": "distilled",
+             "steps": 8}
+
+
+def _distilled(entry: dict, repo_file: str) -> dict:
+    return dict(entry, repo=f"{entry['repo']} ({repo_file})", sampling=dict(DISTILLED))
+
+
+ARCHITECTURES: dict[str, dict] = {
+    "ltx2-19b": _ltx2_19b(), "ltx2-19b-distilled": _distilled(_ltx2_19b(), "ltx-2-19b-distilled"),
+    "ltx2.3-22b": _ltx2_3_22b(), "ltx2.3-22b-distilled": _distilled(_ltx2_3_22b(), "ltx-2.3-22b-distilled"),
+}

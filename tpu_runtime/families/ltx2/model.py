@@ -337,6 +337,9 @@ class LTX2Family(LTX2Programs, ModelFamily):
                   "audio_rescale_keep": 1 - r}
         return passes, np.array([values[n] for n in COEFFICIENTS], dtype=np.float32)
 
+    def uses_cfg(self, s: SampleSettings) -> bool:
+        return self.guidance(s)[0].cfg  # the sound's guidance alone keeps the CFG batch
+
     def frame_rate(self, s: SampleSettings) -> float:
         return DEFAULTS["frame_rate"] if s.frame_rate is None else float(s.frame_rate)
 
