@@ -172,3 +172,24 @@ def test_a_larger_slice_for_the_distilled_step_keeps_its_batch_of_one_whole():
     with_cfg = [a for a in suggestions(source, family, report, topo, None, ("sample",), cfg=True)
                 if a.startswith("a larger slice")]
     assert with_cfg and "mesh dp=2," in with_cfg[0], with_cfg  # the CFG batch's halves on dp, as before
+
+
+def test_a_slice_too_small_is_answered_in_seconds_with_every_stage():
+    """``plan --model ltx2.3-22b --topology v5e-8`` (every stage, the default): the resident weights alone exceed a
+    v5e chip, so no stage is compiled and the answer comes in seconds. Each skipped stage still reports the
+    weights it takes: the sound's decode takes two components' (audio VAE and vocoder, one nested state), which
+    used to end the plan with a traceback instead of the answer."""
+    from tpu_runtime.tools.plan import ModelSource, format_report, open_abstract, parse_topology, plan
+    from tpu_runtime.tools.plan_compile import shard_bytes
+
+    report = plan(ModelSource("ltx2.3-22b"), "v5e-8", mesh="dp=1,sp=1,tp=8")
+    assert not report.fits and "alone need 17.1 GiB" in report.why, report.why
+    assert set(report.stages) == {"encode", "sample", "decode", "decode_audio"}
+    assert all(s.skipped and not s.compiled for s in report.stages.values())
+    family = open_abstract(ModelSource("ltx2.3-22b"), parse_topology("v5e-8").devices(), Path(tempfile.mkdtemp()),
+                           mesh="dp=1,sp=1,tp=8")
+    for name in ("audio_vae", "vocoder"):
+        family._component(name)
+    expected = shard_bytes(family._states["audio_vae"]) + shard_bytes(family._states["vocoder"])
+    assert report.stages["decode_audio"].weights_bytes_per_chip == expected > 0
+    assert report.seconds < 60 and "were not compiled" in format_report(report)

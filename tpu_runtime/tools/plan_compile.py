@@ -46,9 +46,12 @@ class StageReport:
 
 # --- compiling -------------------------------------------------------------------------------------------------
 def shard_bytes(state: dict) -> int:
-    """Bytes per chip of a state of shape structs (each distinct struct once, by its shard's shape)."""
+    """Bytes per chip of a state of shape structs (each distinct struct once, by its shard's shape); a state may
+    nest several components' (LTX-2's audio decode takes the audio VAE's and the vocoder's)."""
+    import jax
+
     seen, total = set(), 0
-    for struct in state.values():
+    for struct in jax.tree_util.tree_leaves(state):
         if id(struct) in seen:
             continue
         seen.add(id(struct))
