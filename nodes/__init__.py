@@ -1,8 +1,10 @@
-"""ComfyUI node classes: every registered family's, made from its declaration by the node kinds (``kinds.py``).
-Importing them needs neither ComfyUI nor a device."""
+"""ComfyUI node classes: every registered family's, made from its declaration by the node kinds (``kinds.py``), and
+the native bridge's (``bridge.py``: ComfyUI's own models on the runtime). Importing them needs neither ComfyUI nor
+a device."""
 
 from tpu_runtime.families import registry
 
+from . import bridge
 from .kinds import family_nodes
 
 NODE_CLASS_MAPPINGS: dict = {}
@@ -11,5 +13,8 @@ for _spec in registry.FAMILIES:
     _classes, _titles = family_nodes(_spec)
     NODE_CLASS_MAPPINGS.update(_classes)
     NODE_DISPLAY_NAME_MAPPINGS.update(_titles)
+
+NODE_CLASS_MAPPINGS.update(bridge.NODE_CLASS_MAPPINGS)
+NODE_DISPLAY_NAME_MAPPINGS.update(bridge.NODE_DISPLAY_NAME_MAPPINGS)
 
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]

@@ -61,9 +61,14 @@ def load_model(key: tuple, build, cache_dir: str = ""):
 
 
 def unload_all() -> None:
-    """Release every loaded model's device buffers."""
+    """Release every loaded model's device buffers: the families' and the native bridge's."""
+    import sys
+
     with _models_lock:
         _release_all()
+    bridge = sys.modules.get("tpu_runtime.bridge.comfy")  # imported only once a bridge node ran
+    if bridge is not None:
+        bridge.release_all()
 
 
 def install_comfy_unload_hook() -> bool:

@@ -9,6 +9,9 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+_FLOAT8 = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
+
+
 def jax_dtype(dtype: torch.dtype):
     """The dtype a tensor of torch ``dtype`` has once placed on the devices (64-bit narrowed as JAX does without
     x64, bfloat16 kept)."""
@@ -17,6 +20,8 @@ def jax_dtype(dtype: torch.dtype):
     narrowed = {torch.float64: torch.float32, torch.int64: torch.int32}.get(dtype, dtype)
     if narrowed == torch.bfloat16:
         return jnp.bfloat16
+    if narrowed in _FLOAT8:
+        return jnp.dtype(getattr(jnp, _FLOAT8[narrowed]))
     return jnp.dtype(torch.empty((), dtype=narrowed).numpy().dtype)
 
 
@@ -27,6 +32,10 @@ def host_array(t: torch.Tensor) -> np.ndarray:
         import ml_dtypes
 
         return t.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    if t.dtype in _FLOAT8:  # ComfyUI's fp8 weights, kept fp8 on the devices (numpy has no fp8: ml_dtypes does)
+        import ml_dtypes
+
+        return t.view(torch.uint8).numpy().view(getattr(ml_dtypes, _FLOAT8[t.dtype]))
     array = t.numpy()
     if array.dtype == np.float64:
         return array.astype(np.float32)

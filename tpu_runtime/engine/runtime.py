@@ -267,6 +267,8 @@ class Runtime:
             array = cls.host_numpy(x)
             if array.dtype.name == "bfloat16":
                 return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+            if array.dtype.name in ("float8_e4m3fn", "float8_e5m2"):
+                return torch.from_numpy(array.view(np.uint8)).view(getattr(torch, array.dtype.name))
             return torch.from_numpy(array)
 
         return jax.tree_util.tree_map(to_torch, value)

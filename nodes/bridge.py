@@ -1,0 +1,73 @@
+"""The native bridge's nodes: ComfyUI's own models, loaded by ComfyUI's own loaders, run on the runtime.
+
+TPU Diffusion Model sits between a diffusion model loader (Load Diffusion Model, Load Checkpoint, a LoRA loader)
+and the sampler (KSampler, KSamplerAdvanced, SamplerCustom); everything else in the graph stays ComfyUI's.
+"""
+
+from __future__ import annotations
+
+from .common import DEVICE_INPUTS
+
+CATEGORY = "TPU video"
+
+BRIDGE_INPUTS = {
+    "mesh": ("STRING", {"default": "auto", "tooltip": "dp=N,sp=N,tp=N over all devices; auto: attention heads on "
+             "tp (as many devices as divide them), the rest on sp (each device takes part of the video's tokens "
+             "in attention)"}),
+    "attention": DEVICE_INPUTS["attention"],
+    "compute_dtype": (["auto", "as loaded"], {"default": "auto", "tooltip": "auto: bf16/fp16 weights compute in "
+                      "their own dtype and fp8 weights in bfloat16, as ComfyUI does on a GPU (with --cpu ComfyUI "
+                      "itself would cast every layer to float32); as loaded: exactly what ComfyUI chose when it "
+                      "loaded the model"}),
+    "cache_dir": DEVICE_INPUTS["cache_dir"],
+}
+
+
+def _settings(mesh: str, attention: str, compute_dtype: str):
+    from tpu_runtime.bridge.comfy import BridgeSettings
+    from tpu_runtime.engine.attention import AttentionConfig
+    from tpu_runtime.engine.sharding import parse_mesh
+
+    return BridgeSettings(mesh=parse_mesh(mesh), attention=AttentionConfig(impl=attention),
+                          compute_dtype=compute_dtype)
+
+
+class TPUDiffusionModel:
+    """ComfyUI's own diffusion model (any class ComfyUI loads) run on the TPU runtime."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("MODEL",)
+    RETURN_NAMES = ("model",)
+    FUNCTION = "apply"
+    DESCRIPTION = ("Runs ComfyUI's own diffusion model on the TPU (or any JAX device): put it between Load "
+                   "Diffusion Model (or a LoRA loader) and the sampler. Samplers, schedulers, CFG, LoRA, VACE, "
+                   "context windows and EasyCache stay ComfyUI's; each model call runs as a compiled program "
+                   "(one per input shape, kept on disk for the next start).")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL", {"tooltip": "from Load Diffusion Model, Load Checkpoint or a "
+                                                 "LoRA loader"})},
+                "optional": dict(BRIDGE_INPUTS)}
+
+    def apply(self, model, mesh: str = "auto", attention: str = "auto", compute_dtype: str = "auto",
+              cache_dir: str = ""):
+        from tpu_runtime.bridge.comfy import diffusion_model_on_runtime
+        from tpu_runtime.engine.runtime import get_runtime
+
+        settings = _settings(mesh, attention, compute_dtype)
+        runtime = get_runtime(cache_dir=cache_dir.strip() or None)
+        clone = diffusion_model_on_runtime(model, settings)
+        forward = clone.object_patches[f"diffusion_model.{_method(clone)}"]
+        bridged = forward.bridged
+        spec = settings.mesh or bridged.rules.auto_mesh(bridged.module, len(runtime.devices))
+        bridged.rules.check_mesh(bridged.module, spec, len(runtime.devices))  # a bad mesh fails here, not at step 1
+        return (clone,)
+
+
+def _method(clone) -> str:
+    return "_forward" if "diffusion_model._forward" in clone.object_patches else "forward"
+
+
+NODE_CLASS_MAPPINGS = {"TPUDiffusionModel": TPUDiffusionModel}
+NODE_DISPLAY_NAME_MAPPINGS = {"TPUDiffusionModel": "TPU Diffusion Model"}

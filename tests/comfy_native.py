@@ -1,0 +1,166 @@
+"""ComfyUI's own code in the tests: a session that imports the pinned ComfyUI checkout, and tiny random-weight
+models built with ComfyUI's own classes and saved as the single files its loaders detect.
+
+ComfyUI is at ``$TPU_VIDEO_COMFYUI`` or ``../shared/comfyui`` beside this checkout. The rest of the suite keeps
+ComfyUI out (``conftest._NoComfyUI``) and puts stand-ins into ``sys.modules``; ``comfyui_session`` sets those
+aside, imports the real modules (ComfyUI's ``nodes.py`` as ``nodes``, so its node classes can be used) and puts
+everything back afterwards. Our pack is imported the way ComfyUI imports a custom node: as a package of its own
+name (``load_pack``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+COMFYUI = Path(os.environ.get("TPU_VIDEO_COMFYUI") or ROOT.parent / "shared" / "comfyui").resolve()
+PACK = "tpu_video_nodes_under_test"
+_COMFY_TOP = ("comfy", "comfy_extras", "comfy_api", "comfy_execution", "comfy_config", "folder_paths",
+              "node_helpers", "latent_preview", "nodes", "app", "utils", "server", "execution", "protocol",
+              "comfyui_version", "middleware", "api_server", PACK)
+
+
+def _ours(name: str) -> bool:
+    return name.split(".")[0] in _COMFY_TOP
+
+
+@contextlib.contextmanager
+def comfyui_session():
+    """ComfyUI importable as the server would have it (``--cpu``), for the duration of the block."""
+    if not (COMFYUI / "comfy" / "sd.py").is_file():
+        raise RuntimeError(f"ComfyUI's source is not at {COMFYUI}: set TPU_VIDEO_COMFYUI to a ComfyUI checkout")
+    saved = {n: m for n, m in sys.modules.items() if _ours(n)}
+    for name in saved:
+        del sys.modules[name]
+    finders = [f for f in sys.meta_path if type(f).__name__ == "_NoComfyUI"]
+    for finder in finders:
+        sys.meta_path.remove(finder)
+    path = list(sys.path)
+    sys.path.insert(0, str(COMFYUI))
+    dont_write = sys.dont_write_bytecode
+    sys.dont_write_bytecode = True  # the checkout may be read-only
+    try:
+        import comfy.cli_args
+
+        comfy.cli_args.args.cpu = True
+        import comfy.model_management  # noqa: F401 - probes the device with --cpu set
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            import comfy.model_management
+
+            comfy.model_management.unload_all_models()
+        for name in [n for n in sys.modules if _ours(n)]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+        sys.path[:] = path
+        for finder in finders:
+            sys.meta_path.insert(0, finder)
+        sys.dont_write_bytecode = dont_write
+
+
+def load_pack():
+    """This checkout imported as ComfyUI imports a custom node folder (a package named after the folder)."""
+    if PACK in sys.modules:
+        return sys.modules[PACK]
+    spec = importlib.util.spec_from_file_location(PACK, ROOT / "__init__.py",
+                                                  submodule_search_locations=[str(ROOT)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[PACK] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- tiny random-weight models ----------------------------------------------------------------------------------------
+def randomise(module: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """A state dict of ``module``'s names and shapes with random values of sensible size: matrices ~ 1/sqrt(fan-in),
+    norm scales near 1, biases and other vectors small."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in module.state_dict().items():
+        shape = tuple(t.shape)
+        if not t.dtype.is_floating_point:
+            out[name] = t.clone()
+            continue
+        noise = torch.randn(shape, generator=g, dtype=torch.float32)
+        if len(shape) >= 2:
+            fan_in = math.prod(shape[1:])
+            value = noise / math.sqrt(fan_in)
+        elif "norm" in name and name.endswith("weight"):
+            value = 1.0 + 0.1 * noise
+        else:
+            value = 0.05 * noise
+        out[name] = value.contiguous()
+    return out
+
+
+def save_diffusion_model(module: torch.nn.Module, path: Path, seed: int, dtype=torch.float32,
+                         prefix: str = "model.diffusion_model.") -> Path:
+    """``module``'s random weights as ComfyUI's single file (the key prefix its checkpoint files carry)."""
+    from safetensors.torch import save_file
+
+    state = {prefix + k: v.to(dtype) for k, v in randomise(module, seed).items()}
+    save_file(state, str(path))
+    return path
+
+
+def tiny_wan(kind: str = "t2v", dim: int = 128, layers: int = 2, in_dim: int = 16, **extra) -> torch.nn.Module:
+    """ComfyUI's Wan classes at a tiny size (heads = dim / 128, as ComfyUI's detection reads them)."""
+    import comfy.ldm.wan.model as wan
+    import comfy.ops
+
+    common = dict(dim=dim, ffn_dim=2 * dim, num_heads=dim // 128, num_layers=layers, in_dim=in_dim, out_dim=16,
+                  text_dim=4096, operations=comfy.ops.disable_weight_init)
+    if kind == "vace":
+        return wan.VaceWanModel(vace_layers=extra.get("vace_layers", 1), vace_in_dim=96, **common)
+    return wan.WanModel(model_type=kind, **common, **extra)
+
+
+def tiny_hunyuan_video(hidden: int = 128, context: int = 64, double: int = 1, single: int = 1) -> torch.nn.Module:
+    import comfy.ldm.hunyuan_video.model as hv
+    import comfy.ops
+
+    return hv.HunyuanVideo(
+        image_model="hunyuan_video", in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=context,
+        hidden_size=hidden, mlp_ratio=4.0, num_heads=hidden // 128, depth=double, depth_single_blocks=single,
+        axes_dim=[16, 56, 56], theta=256, patch_size=[1, 2, 2], qkv_bias=True, guidance_embed=True,
+        meanflow=False, byt5=False, operations=comfy.ops.disable_weight_init)
+
+
+def tiny_ltxv(head_dim: int = 4, layers: int = 2) -> torch.nn.Module:
+    import comfy.ldm.lightricks.model as ltxv
+    import comfy.ops
+
+    return ltxv.LTXVModel(in_channels=128, cross_attention_dim=32 * head_dim, attention_head_dim=head_dim,
+                          num_attention_heads=32, caption_channels=4096, num_layers=layers,
+                          operations=comfy.ops.disable_weight_init)
+
+
+def load(path: Path, **options):
+    """The file through ComfyUI's own loader (Load Diffusion Model)."""
+    import comfy.sd
+
+    return comfy.sd.load_diffusion_model(str(path), model_options=options)
+
+
+def sample(model, latent: torch.Tensor, positive, negative, *, steps: int = 4, cfg: float = 5.0,
+           sampler: str = "euler", scheduler: str = "simple", seed: int = 42, denoise: float = 1.0):
+    """KSampler's computation (``nodes.common_ksampler`` without the node around it)."""
+    import comfy.sample
+
+    latent = comfy.sample.fix_empty_latent_channels(model, latent)
+    noise = comfy.sample.prepare_noise(latent, seed)
+    return comfy.sample.sample(model, noise, steps, cfg, sampler, scheduler, positive, negative, latent,
+                               denoise=denoise, seed=seed, disable_pbar=True)
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference relative to the largest value of the reference ``b``."""
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))

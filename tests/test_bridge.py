@@ -1,0 +1,223 @@
+"""The native bridge (TPU Diffusion Model): ComfyUI's own diffusion models, loaded by ComfyUI's own loader and
+sampled by ComfyUI's own samplers, run on the runtime and equal ComfyUI's native CPU run on the same weights
+(float32, 1e-4 relative). Compiles are counted: the programs a bridged model built (``stats.programs``) and the
+XLA compiles the process ran."""
+
+import pytest
+import torch
+from comfy_native import (
+    comfyui_session, load, load_pack, relative, sample, save_diffusion_model, tiny_hunyuan_video, tiny_ltxv, tiny_wan,
+)
+
+TOL = 1e-4
+LATENT = torch.zeros(1, 16, 3, 8, 8)
+
+
+@pytest.fixture(scope="module")
+def pack():
+    with comfyui_session():
+        yield load_pack()
+
+
+@pytest.fixture(scope="module")
+def files(pack, tmp_path_factory):
+    base = tmp_path_factory.mktemp("native_models")
+    return {
+        "wan": save_diffusion_model(tiny_wan("t2v"), base / "wan_t2v.safetensors", seed=3),
+        "wan_low": save_diffusion_model(tiny_wan("t2v"), base / "wan_t2v_low.safetensors", seed=4),
+        "vace": save_diffusion_model(tiny_wan("vace"), base / "wan_vace.safetensors", seed=5),
+        "i2v": save_diffusion_model(tiny_wan("i2v", in_dim=36), base / "wan_i2v.safetensors", seed=6),
+    }
+
+
+def conds(length=12, neg_length=12, seed=1, width=4096, **extra):
+    g = torch.Generator().manual_seed(seed)
+    return ([[torch.randn(1, length, width, generator=g), dict(extra)]],
+            [[torch.randn(1, neg_length, width, generator=g), dict(extra)]])
+
+
+def tpu(pack, model, **inputs):
+    """The TPU Diffusion Model node applied to ``model``."""
+    return pack.NODE_CLASS_MAPPINGS["TPUDiffusionModel"]().apply(model, **inputs)[0]
+
+
+def bridged(model):
+    """The bridged module behind a TPU node's output (or a clone of it)."""
+    return next(v for k, v in model.object_patches.items() if k.startswith("diffusion_model.")).bridged
+
+
+def xla_compiles():
+    from tpu_runtime.engine.runtime import compile_stats
+
+    return compile_stats().xla_compiles
+
+
+@pytest.mark.parametrize("sampler,scheduler,cfg", [
+    ("euler", "simple", 5.0), ("uni_pc", "simple", 5.0), ("dpmpp_2m", "karras", 5.0), ("res_multistep", "beta", 5.0),
+    ("euler_ancestral", "normal", 5.0), ("dpmpp_2m_sde", "karras", 3.5), ("euler", "simple", 1.0),
+])
+def test_samplers_equal_native(pack, files, sampler, scheduler, cfg):
+    model = load(files["wan"])
+    positive, negative = conds()
+    native = sample(model, LATENT, positive, negative, cfg=cfg, sampler=sampler, scheduler=scheduler)
+    on_tpu = tpu(pack, model)
+    out = sample(on_tpu, LATENT, positive, negative, cfg=cfg, sampler=sampler, scheduler=scheduler)
+    assert relative(out, native) < TOL
+    # cond and uncond of one length are one batch of two (CFG > 1), the cond alone at CFG 1: one program either way
+    assert bridged(on_tpu).stats.programs == 1
+
+
+def test_new_seed_prompt_cfg_sampler_steps_compile_nothing(pack, files):
+    model = tpu(pack, load(files["wan"]))
+    positive, negative = conds()
+    sample(model, LATENT, positive, negative)
+    before, programs = xla_compiles(), bridged(model).stats.programs
+    positive2, negative2 = conds(seed=9)
+    for kwargs in ({"seed": 7}, {"cfg": 3.0}, {"sampler": "uni_pc"}, {"steps": 6, "scheduler": "karras"}):
+        sample(model, LATENT, positive2, negative2, **kwargs)
+    assert bridged(model).stats.programs == programs == 1
+    assert xla_compiles() == before
+
+
+def test_prompts_of_different_lengths_are_two_programs(pack, files):
+    model = load(files["wan"])
+    positive, negative = conds(length=12, neg_length=7)
+    native = sample(model, LATENT, positive, negative)
+    on_tpu = tpu(pack, model)
+    assert relative(sample(on_tpu, LATENT, positive, negative), native) < TOL
+    assert bridged(on_tpu).stats.programs == 2  # ComfyUI calls cond and uncond apart when their shapes differ
+    assert bridged(on_tpu).stats.calls == 8
+
+
+def _lora(model, seed: int, rank: int = 4) -> dict:
+    """A LoRA in ComfyUI's key format for every attention projection of ``model``'s blocks."""
+    g = torch.Generator().manual_seed(seed)
+    lora = {}
+    for name, weight in model.model.diffusion_model.named_parameters():
+        if ".self_attn." in name and name.endswith(".weight") and weight.ndim == 2:
+            key = "diffusion_model." + name[: -len(".weight")]
+            lora[f"{key}.lora_up.weight"] = torch.randn(weight.shape[0], rank, generator=g) * 0.2
+            lora[f"{key}.lora_down.weight"] = torch.randn(rank, weight.shape[1], generator=g) * 0.2
+    return lora
+
+
+def _with_lora(model, lora, strength):
+    import comfy.sd
+
+    return comfy.sd.load_lora_for_models(model, None, lora, strength, 0)[0]
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_lora_before_and_after_the_node(pack, files, where):
+    model = load(files["wan"])
+    lora = _lora(model, seed=11)
+    positive, negative = conds()
+    plain = sample(model, LATENT, positive, negative)
+    on_tpu = tpu(pack, model) if where == "after" else None
+    results = {}
+    for strength in (0.6, 1.3):
+        native = sample(_with_lora(model, lora, strength), LATENT, positive, negative)
+        patched = (_with_lora(on_tpu, lora, strength) if where == "after"
+                   else tpu(pack, _with_lora(model, lora, strength)))
+        results[strength] = sample(patched, LATENT, positive, negative)
+        assert relative(native, plain) > 1e-2  # the LoRA changes the result
+        assert relative(results[strength], native) < TOL
+    module = bridged(patched)
+    assert module.stats.programs == 1  # a new strength re-places weights, compiles nothing
+    assert module.stats.weight_refreshes >= 1
+    # without the LoRA again: ComfyUI un-patches its host weights and the device copy follows
+    unpatched = sample(on_tpu if where == "after" else tpu(pack, model), LATENT, positive, negative)
+    assert relative(unpatched, plain) < TOL
+
+
+def test_two_experts_keep_their_own_weights(pack, files):
+    import comfy.sample
+
+    high, low = load(files["wan"]), load(files["wan_low"])
+    positive, negative = conds()
+    latent = LATENT
+    noise = comfy.sample.prepare_noise(latent, 5)
+
+    def two_stage(first, second):
+        # KSamplerAdvanced twice: steps 0-3 with noise added and the leftover noise returned, then 3-6 without noise
+        mid = comfy.sample.sample(first, noise, 6, 4.0, "euler", "simple", positive, negative, latent, start_step=0,
+                                  last_step=3, force_full_denoise=False, seed=5, disable_pbar=True)
+        return comfy.sample.sample(second, noise, 6, 4.0, "euler", "simple", positive, negative, mid,
+                                   disable_noise=True, start_step=3, last_step=6, force_full_denoise=True, seed=5,
+                                   disable_pbar=True)
+
+    native = two_stage(high, low)
+    tpu_high, tpu_low = tpu(pack, high), tpu(pack, low)
+    out = two_stage(tpu_high, tpu_low)
+    assert relative(out, native) < TOL
+    assert bridged(tpu_high) is not bridged(tpu_low)
+    assert bridged(tpu_high).state is not None and bridged(tpu_low).state is not None
+    assert bridged(tpu_high).stats.calls == 3 and bridged(tpu_low).stats.calls == 3
+
+
+def test_vace_context_and_strength(pack, files):
+    model = load(files["vace"])
+    g = torch.Generator().manual_seed(3)
+    frames = torch.randn(1, 32, 3, 8, 8, generator=g)
+    mask = torch.rand(1, 64, 3, 8, 8, generator=g)
+    for strength in (1.0, 0.5):
+        positive, negative = conds(vace_frames=[frames], vace_mask=[mask], vace_strength=[strength])
+        native = sample(model, LATENT, positive, negative)
+        out = sample(tpu(pack, model), LATENT, positive, negative)
+        assert relative(out, native) < TOL
+    plain = sample(model, LATENT, *conds())
+    assert relative(native, plain) > 1e-2
+
+
+def test_image_to_video_clip_features_and_concat_latents(pack, files):
+    from comfy.clip_vision import Output
+
+    model = load(files["i2v"])
+    g = torch.Generator().manual_seed(4)
+    vision = Output()
+    vision.penultimate_hidden_states = torch.randn(1, 257, 1280, generator=g)
+    image = torch.randn(1, 16, 3, 8, 8, generator=g)
+    mask = torch.ones(1, 1, 3, 8, 8)
+    mask[:, :, :1] = 0.0
+    positive, negative = conds(clip_vision_output=vision, concat_latent_image=image, concat_mask=mask)
+    native = sample(model, LATENT, positive, negative)
+    out = sample(tpu(pack, model), LATENT, positive, negative)
+    assert relative(out, native) < TOL
+
+
+def test_hunyuan_video_guidance_pooled_text_and_mask(pack, tmp_path):
+    model = load(save_diffusion_model(tiny_hunyuan_video(), tmp_path / "hunyuan_video.safetensors", seed=7))
+    g = torch.Generator().manual_seed(5)
+    mask = torch.ones(1, 10, dtype=torch.int64)
+    mask[:, 7:] = 0
+    results = []
+    for guidance in (6.0, 3.5):
+        positive = [[torch.randn(1, 10, 64, generator=g), {"pooled_output": torch.randn(1, 768, generator=g),
+                                                           "guidance": guidance, "attention_mask": mask}]]
+        native = sample(model, LATENT, positive, [], cfg=1.0)
+        on_tpu = tpu(pack, model)
+        results.append(sample(on_tpu, LATENT, positive, [], cfg=1.0))
+        assert relative(results[-1], native) < TOL
+
+
+def test_ltx_video_frame_rate_mask_and_noise_mask(pack, tmp_path):
+    import comfy.sample
+
+    model = load(save_diffusion_model(tiny_ltxv(), tmp_path / "ltxv.safetensors", seed=8))
+    g = torch.Generator().manual_seed(6)
+    latent = torch.zeros(1, 128, 2, 4, 4)
+    mask = torch.ones(1, 12, dtype=torch.int64)
+    positive, negative = conds(length=12, neg_length=12, frame_rate=24, attention_mask=mask)
+    native = sample(model, latent, positive, negative, cfg=3.0)
+    on_tpu = tpu(pack, model)
+    assert relative(sample(on_tpu, latent, positive, negative, cfg=3.0), native) < TOL
+    # image to video: the first latent frame kept (noise mask 0 there): per-token timesteps
+    noise_mask = torch.ones(1, 1, 2, 4, 4)
+    noise_mask[:, :, 0] = 0.0
+    start = torch.randn(1, 128, 2, 4, 4, generator=g)
+    noise = comfy.sample.prepare_noise(start, 3)
+    native = comfy.sample.sample(model, noise, 4, 3.0, "euler", "simple", positive, negative, start,
+                                 noise_mask=noise_mask, seed=3, disable_pbar=True)
+    out = comfy.sample.sample(on_tpu, noise, 4, 3.0, "euler", "simple", positive, negative, start,
+                              noise_mask=noise_mask, seed=3, disable_pbar=True)
+    assert relative(out, native) < TOL

@@ -1,0 +1,223 @@
+"""A call of a torch method split into what a compiled program takes and what it is compiled for.
+
+A bridged model is called with a mix of values: tensors (latents, timesteps, text, masks, VACE's context, a
+ControlNet's residuals), Python numbers and strings (LTX-Video's frame rate, VACE's strengths), ``None`` for
+inputs a model kind leaves out, nested lists and dicts of those, and objects (functions of a patch). ``split_call``
+turns such a call into
+
+- the *dynamic leaves*: every tensor, in a fixed order; they become the program's array inputs;
+- the *structure*: a hashable description of everything else, tensor shapes and dtypes included. Two calls with
+  the same structure run the same program; anything else compiles another one (a Python number is a constant of
+  the program, one program per value, as ``jax.jit`` treats static arguments).
+
+``RecordedOptions`` stands in for ComfyUI's ``transformer_options`` while a program is traced. The options carry
+values that change at every call (the current sigma, the conds' uuids) beside values a model reads (patches, block
+replacements): a program depends only on what the model read during its trace, so those reads are recorded, with
+a fingerprint of each value, and a compiled program is reused for a later call only when every value it read is
+the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+MISSING = ("<missing>",)
+_SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+class DeviceValue:
+    """A value that lives on the devices between two calls of a bridged method (a causal VAE's convolution cache):
+    the host holds this handle, the program takes the array itself. Shape and dtype are the array's."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array):
+        self.array = array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape)
+
+    @property
+    def dtype(self):
+        return self.array.dtype
+
+
+@dataclass
+class SplitCall:
+    """``structure`` (hashable: the program's identity apart from weights and mesh), ``leaves`` (the tensors and
+    device values, in order) and ``objects`` (the non-value objects, by position, to rebuild the call)."""
+
+    structure: tuple
+    leaves: list
+    objects: list = field(default_factory=list)
+
+
+def split_call(tree: Any) -> SplitCall:
+    """Split a nested call value (see the module's docstring)."""
+    leaves: list = []
+    objects: list = []
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            leaves.append(x)
+            return ("T", tuple(x.shape), str(x.dtype))
+        if isinstance(x, DeviceValue):
+            leaves.append(x)
+            return ("T", x.shape, str(x.dtype))
+        if isinstance(x, _SCALARS):
+            return ("S", type(x).__name__, x)
+        if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
+            return ("L" if type(x) is list else "U", tuple(walk(v) for v in x))
+        if type(x) is dict and all(isinstance(k, _SCALARS) for k in x):
+            return ("D", tuple((k, walk(v)) for k, v in x.items()))
+        objects.append(x)
+        return ("O", len(objects) - 1, type(x).__qualname__, id(x))
+
+    return SplitCall(walk(tree), leaves, objects)
+
+
+def rebuild(structure: tuple, leaves: list, objects: list) -> Any:
+    """The call value ``structure`` describes, with ``leaves`` (in order) where its tensors were."""
+    position = iter(range(len(leaves)))
+
+    def build(node):
+        kind = node[0]
+        if kind == "T":
+            return leaves[next(position)]
+        if kind == "S":
+            return node[2]
+        if kind == "L":
+            return [build(c) for c in node[1]]
+        if kind == "U":
+            return tuple(build(c) for c in node[1])
+        if kind == "D":
+            return {k: build(c) for k, c in node[1]}
+        return objects[node[1]]
+
+    return build(structure)
+
+
+# --- transformer_options: what a model reads ----------------------------------------------------------------------
+def fingerprint(value: Any, keep: list) -> Any:
+    """A hashable stand-in for ``value`` that is equal for equal values: tensors by shape, dtype and a digest of
+    their bytes, containers element by element, numbers and strings by value, any other object by identity (kept
+    alive in ``keep`` so that its id cannot be reused)."""
+    if isinstance(value, torch.Tensor):
+        data = value.detach().to("cpu").contiguous()
+        raw = data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
+        digest = hashlib.blake2b(raw, digest_size=16).hexdigest()
+        return ("T", tuple(data.shape), str(data.dtype), digest)
+    if isinstance(value, _SCALARS) or value is MISSING:
+        return ("S", type(value).__name__, value)
+    if isinstance(value, (list, tuple)):
+        return ("L", type(value).__name__, tuple(fingerprint(v, keep) for v in value))
+    if isinstance(value, dict):
+        return ("D", tuple((fingerprint(k, keep), fingerprint(v, keep)) for k, v in value.items()))
+    keep.append(value)
+    return ("O", type(value).__qualname__, id(value))
+
+
+@dataclass
+class OptionReads:
+    """The options a traced model read: key -> fingerprint of the value it saw (``everything``: it iterated them)."""
+
+    reads: dict = field(default_factory=dict)
+    everything: bool = False
+    keep: list = field(default_factory=list)
+
+    def matches(self, options: dict) -> bool:
+        """Whether a later call's ``options`` hold the same values for every key this trace read."""
+        if self.everything:
+            return fingerprint(dict(options), []) == self.reads.get("<all>")
+        scratch: list = []
+        return all(fingerprint(options.get(k, MISSING), scratch) == fp for k, fp in self.reads.items())
+
+    def finish(self, options: dict) -> None:
+        if self.everything:
+            self.reads = {"<all>": fingerprint(dict(options), self.keep)}
+
+    def describe(self) -> str:
+        return "every option" if self.everything else ", ".join(sorted(map(str, self.reads))) or "none"
+
+
+class RecordedOptions(dict):
+    """``transformer_options`` as the model sees it while traced: reads are recorded in ``log`` (the first read of
+    each key, unless the model wrote it first); writes stay in this copy. ``copy()`` shares the log."""
+
+    def __init__(self, data: dict, log: OptionReads, written: set | None = None):
+        super().__init__(data)
+        self._log = log
+        self._written = set(written or ())
+
+    def _note(self, key) -> None:
+        if key not in self._written and key not in self._log.reads:
+            self._log.reads[key] = fingerprint(dict.get(self, key, MISSING), self._log.keep)
+
+    def __getitem__(self, key):
+        self._note(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self._note(key)
+        return super().get(key, default)
+
+    def __contains__(self, key) -> bool:
+        self._note(key)
+        return super().__contains__(key)
+
+    def setdefault(self, key, default=None):
+        self._note(key)
+        self._written.add(key)
+        return super().setdefault(key, default)
+
+    def pop(self, key, *default):
+        self._note(key)
+        self._written.add(key)
+        return super().pop(key, *default)
+
+    def __setitem__(self, key, value) -> None:
+        self._written.add(key)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key) -> None:
+        self._written.add(key)
+        super().__delitem__(key)
+
+    def update(self, *args, **kwargs) -> None:
+        other = dict(*args, **kwargs)
+        self._written.update(other)
+        super().update(other)
+
+    def _everything(self) -> None:
+        self._log.everything = True
+
+    def __iter__(self):
+        self._everything()
+        return super().__iter__()
+
+    def keys(self):
+        self._everything()
+        return super().keys()
+
+    def values(self):
+        self._everything()
+        return super().values()
+
+    def items(self):
+        self._everything()
+        return super().items()
+
+    def copy(self) -> "RecordedOptions":
+        return RecordedOptions(dict.copy(self), self._log, self._written)
+
+    def __copy__(self) -> "RecordedOptions":
+        return self.copy()
+
+    def __reduce__(self):  # deep copies and pickles see a plain dict
+        self._everything()
+        return (dict, (dict(dict.items(self)),))

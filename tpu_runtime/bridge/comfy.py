@@ -1,0 +1,218 @@
+"""ComfyUI's own diffusion models on the runtime: the ModelPatcher side of the native bridge.
+
+``diffusion_model_on_runtime(patcher, settings)`` returns a clone of ComfyUI's ModelPatcher whose diffusion model
+runs its forward as compiled programs (``BridgedModule``); everything around the forward stays ComfyUI's: samplers,
+schedulers, CFG and its batching, model sampling, wrappers (EasyCache, context windows, guidance patches), progress,
+previews. How it hooks in:
+
+- An object patch on the clone replaces the diffusion model's ``_forward`` (the function ComfyUI's
+  ``DIFFUSION_MODEL`` wrappers call last), or ``forward`` for a model class without wrappers. Object patches apply
+  while the clone (or a clone of it: a LoRA loader after this node) is the loaded patcher, and ComfyUI restores the
+  original when another patcher loads the same model: the model without the node is unchanged.
+- Attention comes through ``transformer_options["optimized_attention_override"]`` and runs the runtime's
+  attention (splash on TPU) inside the program.
+- Weight patches (LoRA): ComfyUI patches the host weights in place when it loads the model for sampling; the
+  device copy follows by the patch identity ComfyUI records (``current_weight_patches_uuid``): a changed identity
+  re-places the weights patched before and now, nothing else and nothing recompiles.
+- The device copy lives as long as ComfyUI holds the model: ComfyUI's "Unload Models" and ``/free``
+  (``unload_all_models``) release it, and so does ComfyUI dropping the model (another file loaded in its place).
+  ComfyUI also detaches a model whenever another patcher of it loads (a LoRA strength changed): that only
+  restores its host weights, which the patch identity already tells, so the device copy stays.
+
+Nothing here is imported unless ComfyUI runs (or a test imports ComfyUI).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine.attention import AttentionConfig
+from ..engine.sharding import MeshSpec
+from ..errors import InputError
+from .program import BridgedModule
+from .rules import rules_for
+
+log = logging.getLogger(__name__)
+
+COMPUTE_DTYPES = ("auto", "as loaded")
+_HALF = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class BridgeSettings:
+    """What the TPU nodes take: the mesh (None: chosen from the model's heads), attention, compute dtype."""
+
+    mesh: MeshSpec | None = None
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    compute_dtype: str = "auto"
+
+    def __post_init__(self):
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise InputError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
+
+
+# --- attention ------------------------------------------------------------------------------------------------------
+def comfy_attention(func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+                    skip_output_reshape=False, **kwargs):
+    """ComfyUI's ``optimized_attention`` signature, computed by torch's ``scaled_dot_product_attention`` (which the
+    runtime overrides inside programs: splash on TPU, cuDNN on GPU, blockwise on CPU, a masked path with a mask).
+    ``func`` is the attention ComfyUI would have used; it is not called (its CPU variants ask torch for device
+    memory, which a traced program has not)."""
+    if skip_reshape:
+        batch, _, _, head_dim = q.shape
+    else:
+        batch, _, width = q.shape
+        head_dim = width // heads
+        q, k, v = (t.view(batch, -1, heads, head_dim).transpose(1, 2) for t in (q, k, v))
+    if mask is not None:
+        if mask.ndim == 2:
+            mask = mask.unsqueeze(0)
+        if mask.ndim == 3:
+            mask = mask.unsqueeze(1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if not skip_output_reshape:
+        out = out.transpose(1, 2).reshape(batch, -1, heads * head_dim)
+    return out
+
+
+def _with_attention(options: dict) -> dict:
+    options["optimized_attention_override"] = comfy_attention
+    return options
+
+
+# --- the forward --------------------------------------------------------------------------------------------------
+class BridgedForward:
+    """What the object patch puts in place of the diffusion model's ``_forward`` (or ``forward``): checks for
+    Cancel, brings the device weights in step with ComfyUI's patches, runs the program."""
+
+    def __init__(self, bridged: BridgedModule, base_model, prefix: str = "diffusion_model."):
+        self.bridged = bridged
+        self._base = weakref.ref(base_model)
+        self.prefix = prefix
+        self._synced = _NOT_SYNCED
+        self._patched: set[str] = set()
+        self._lock = threading.Lock()
+
+    def sync_weights(self) -> None:
+        """Re-place the weights ComfyUI patched (or un-patched) since the device copy was made."""
+        base = self._base()
+        if base is None:
+            return
+        if getattr(base, "model_lowvram", False):
+            raise InputError(
+                f"ComfyUI loaded {type(base.diffusion_model).__name__} only partly into memory (low-memory mode): "
+                f"the TPU node needs the whole model on the host. Start ComfyUI with --cpu (and --highvram), or "
+                f"free host memory")
+        identity = getattr(base, "current_weight_patches_uuid", None)
+        with self._lock:
+            if identity == self._synced and self.bridged.state is not None:
+                return
+            patcher = getattr(base, "current_patcher", None)
+            keys = set(getattr(patcher, "patches", {}) or {}) if identity is not None else set()
+            keys = {k for k in keys if k.startswith(self.prefix)}
+            names = {k[len(self.prefix):] for k in keys | self._patched}
+            if self.bridged.state is not None and names:
+                count = self.bridged.refresh(names)
+                log.info("%s: %d patched weights re-placed on the devices", self.bridged.label, count)
+            self._patched = keys
+            self._synced = identity
+
+    def release(self) -> None:
+        with self._lock:
+            self.bridged.release()
+            self._synced = _NOT_SYNCED
+
+    def __call__(self, *args, **kwargs):
+        import comfy.model_management
+
+        comfy.model_management.throw_exception_if_processing_interrupted()  # Cancel: between model calls
+        self.sync_weights()
+        return self.bridged(*args, **kwargs)
+
+
+_NOT_SYNCED = object()
+_forwards: dict[int, tuple[BridgeSettings, BridgedForward]] = {}
+_forwards_lock = threading.Lock()
+
+
+def _forward_for(base_model, settings: BridgeSettings) -> BridgedForward:
+    """One bridged forward (one device copy) per loaded model; new settings replace the old copy."""
+    key = id(base_model)
+    with _forwards_lock:
+        held = _forwards.get(key)
+        if held is not None and held[0] == settings:
+            return held[1]
+        if held is not None:
+            held[1].release()
+        module = base_model.diffusion_model
+        method_name = "_forward" if callable(getattr(type(module), "_forward", None)) else "forward"
+        bridged = BridgedModule(
+            module=module, method=getattr(type(module), method_name), rules=rules_for(module),
+            mesh_spec=settings.mesh, attention=settings.attention, prepare_options=_with_attention,
+            label=type(module).__name__,
+        )
+        bridged.method_name = method_name
+        forward = BridgedForward(bridged, base_model)
+        _forwards[key] = (settings, forward)
+        weakref.finalize(base_model, _forget, key, forward)
+        return forward
+
+
+def _forget(key: int, forward: BridgedForward) -> None:
+    with _forwards_lock:
+        held = _forwards.get(key)
+        if held is not None and held[1] is forward:
+            del _forwards[key]
+    forward.release()
+
+
+def release_all() -> None:
+    """Drop every bridged model's device weights (ComfyUI's "unload models" and ``/free``)."""
+    with _forwards_lock:
+        held = [f for _, f in _forwards.values()]
+    for forward in held:
+        forward.release()
+
+
+def bridged_forwards() -> list[BridgedForward]:
+    with _forwards_lock:
+        return [f for _, f in _forwards.values()]
+
+
+def compute_dtype_patch(base_model, compute_dtype: str):
+    """The ``manual_cast_dtype`` the model computes with on the runtime, or ``None`` to leave ComfyUI's choice.
+
+    ``auto`` computes as ComfyUI does on an accelerator with bfloat16: bf16/fp16 weights in their own dtype (on the
+    host ``--cpu`` makes ComfyUI cast every layer up to float32), fp8 weights cast to bfloat16 inside the program,
+    float32 weights in float32. ``as loaded`` keeps what ComfyUI chose for the device it loaded the model for."""
+    if compute_dtype == "as loaded":
+        return _KEEP
+    weights = base_model.get_dtype()
+    if weights in _HALF:
+        return None
+    if weights in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return torch.bfloat16
+    return _KEEP
+
+
+_KEEP = object()
+
+
+def diffusion_model_on_runtime(patcher, settings: BridgeSettings):
+    """A clone of ``patcher`` (ComfyUI's MODEL) whose diffusion model runs on the runtime."""
+    clone = patcher.clone()
+    base = clone.model
+    if not hasattr(base, "diffusion_model"):
+        raise InputError(f"the MODEL input holds a {type(base).__name__} without a diffusion model: connect a "
+                         f"diffusion model loader (Load Diffusion Model, Load Checkpoint)")
+    forward = _forward_for(base, settings)
+    clone.add_object_patch(f"diffusion_model.{forward.bridged.method_name}", forward)
+    cast = compute_dtype_patch(base, settings.compute_dtype)
+    if cast is not _KEEP and cast != base.manual_cast_dtype:
+        clone.add_object_patch("manual_cast_dtype", cast)
+    return clone

@@ -1,0 +1,355 @@
+"""Run a method of any torch module on the runtime: weights placed once by rules, one compiled program per call
+structure, the runtime's mesh, attention and compilation caches.
+
+``BridgedModule`` is what the native bridge is made of: ComfyUI's diffusion models, VAEs and text encoders are
+torch modules, and torchax traces their own code into a JAX program. It knows nothing of ComfyUI: the ComfyUI side
+(``bridge/comfy.py``) says which method to run, supplies the attention and tells it when the host weights changed.
+
+- **Weights**: every parameter and buffer, on the devices, each placed by the first matching rule of the module's
+  rule table (``bridge/rules.py``); held until ``release``. ``refresh(names)`` re-places the named tensors from the
+  module's current host values (a LoRA patched them): same shapes and shardings, so nothing recompiles.
+- **Programs**: a call is split (``calls.split_call``) into tensors and a structure; one program per structure,
+  mesh and attention setting, and per set of option values the model read while traced (``calls.OptionReads``).
+- **Mutable arguments**: with ``mutable_lists``, lists passed in are returned by the program too and written back
+  in place, their tensors as ``DeviceValue``s that stay on the devices (a causal VAE's convolution cache).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..engine.attention import AttentionConfig, attention_scope
+from ..engine.sharding import MeshSpec
+from ..errors import InputError
+from .calls import DeviceValue, OptionReads, RecordedOptions, rebuild, split_call
+from .rules import ArchRules, placement_specs
+
+log = logging.getLogger(__name__)
+
+# Past this many programs for one call structure, the model reads an option that changes between calls.
+VARIANT_WARNING = 8
+
+
+class UntraceableModel(InputError):
+    """The model's code cannot be compiled: the message names the class, the op and the line."""
+
+
+@dataclass
+class _Variant:
+    reads: OptionReads
+    key: tuple
+    executable: Any
+    list_layouts: list = field(default_factory=list)
+
+
+@dataclass
+class CallStats:
+    """Per bridged module: model calls, programs compiled (traced and built) and seconds in each part of a call."""
+
+    calls: int = 0
+    programs: int = 0
+    trace_compile_seconds: float = 0.0
+    to_device_seconds: float = 0.0
+    run_seconds: float = 0.0
+    to_host_seconds: float = 0.0
+    weight_refreshes: int = 0
+
+    def reset(self) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, type(getattr(self, name))())
+
+
+@dataclass
+class BridgedModule:
+    """``method`` of ``module`` (a function taking the module first, e.g. ``type(module)._forward``) run on the
+    runtime's devices. ``options_arg`` names the argument whose dict is recorded rather than traced
+    (ComfyUI's ``transformer_options``); ``prepare_options`` adds what the runtime supplies to it (the attention)."""
+
+    module: torch.nn.Module
+    method: Callable
+    rules: ArchRules
+    mesh_spec: MeshSpec | None = None
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    options_arg: str | None = "transformer_options"
+    prepare_options: Callable[[dict], dict] | None = None
+    mutable_lists: bool = False
+    label: str = ""
+    device_dtypes: Callable[[str, torch.Tensor], torch.dtype] | None = None
+
+    def __post_init__(self):
+        self.signature = inspect.signature(self.method)
+        self.label = self.label or type(self.module).__qualname__
+        self.state: dict | None = None
+        self.stats = CallStats()
+        self._variants: dict[tuple, list[_Variant]] = {}
+        self._lock = threading.RLock()
+        self._runtime = None
+        self._mesh = None
+        self._warned_variants: set = set()
+
+    # --- devices --------------------------------------------------------------------------------------------
+    @property
+    def runtime(self):
+        if self._runtime is None:
+            from ..engine.runtime import get_runtime
+
+            self._runtime = get_runtime()
+        return self._runtime
+
+    @property
+    def mesh(self):
+        if self._mesh is None:
+            spec = self.mesh_spec or self.rules.auto_mesh(self.module, len(self.runtime.devices))
+            self.rules.check_mesh(self.module, spec, len(self.runtime.devices))
+            self._mesh = self.runtime.make_mesh(spec)
+            log.info("%s on mesh %s (%s)", self.label, spec, self.rules.describe())
+        return self._mesh
+
+    def _named(self) -> list[tuple[str, torch.Tensor]]:
+        named = list(self.module.named_parameters(remove_duplicate=False))
+        return named + list(self.module.named_buffers(remove_duplicate=False))
+
+    def _specs(self, named) -> dict[str, tuple]:
+        return placement_specs({n: tuple(t.shape) for n, t in named}, self.rules, dict(self.mesh.shape), self.label)
+
+    def _host_value(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        if self.device_dtypes is not None:
+            dtype = self.device_dtypes(name, tensor)
+            if dtype is not None and dtype != tensor.dtype:
+                tensor = tensor.to(dtype)
+        return tensor
+
+    def place(self) -> dict:
+        """The weights on the devices (placed on first use, then kept)."""
+        with self._lock:
+            if self.state is None:
+                start = time.perf_counter()
+                named = self._named()
+                specs = self._specs(named)
+                moved: dict[int, Any] = {}
+                state = {}
+                for name, tensor in named:
+                    if id(tensor) not in moved:
+                        moved[id(tensor)] = self.runtime.put(self._host_value(name, tensor),
+                                                             self.runtime.sharding(self.mesh, specs[name]))
+                    state[name] = moved[id(tensor)]
+                self.state = state
+                log.info("%s: %d weights placed on %d device(s) in %.1f s", self.label, len(moved),
+                         self.mesh.size, time.perf_counter() - start)
+            return self.state
+
+    def refresh(self, names) -> int:
+        """Re-place the named weights from the module's current host values; returns how many were placed."""
+        with self._lock:
+            if self.state is None:
+                return 0
+            named = dict(self._named())
+            names = [n for n in names if n in named and n in self.state]
+            if not names:
+                return 0
+            specs = self._specs([(n, named[n]) for n in names])
+            for name in names:
+                self.state[name] = self.runtime.put(self._host_value(name, named[name]),
+                                                    self.runtime.sharding(self.mesh, specs[name]))
+            self.stats.weight_refreshes += 1
+            return len(names)
+
+    def release(self) -> None:
+        """Drop the device copy of the weights (compiled programs stay: they hold no weights)."""
+        with self._lock:
+            if self.state is not None:
+                log.info("%s: device weights released", self.label)
+            self.state = None
+
+    @property
+    def program_count(self) -> int:
+        return sum(len(v) for v in self._variants.values())
+
+    # --- calls ----------------------------------------------------------------------------------------------
+    def _arguments(self, args, kwargs) -> tuple[list, dict, Any]:
+        """(positional, keyword, options) of a call, the module itself not included."""
+        bound = self.signature.bind(self.module, *args, **kwargs)
+        positional, keyword = [], {}
+        for i, (name, value) in enumerate(bound.arguments.items()):
+            if i == 0:
+                continue  # the module
+            kind = self.signature.parameters[name].kind
+            if kind is inspect.Parameter.POSITIONAL_ONLY:
+                positional.append(value)
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                positional.extend(value)
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                keyword.update(value)
+            else:
+                keyword[name] = value
+        options = keyword.pop(self.options_arg, None) if self.options_arg else None
+        return positional, keyword, options
+
+    def __call__(self, *args, **kwargs):
+        positional, keyword, options = self._arguments(args, kwargs)
+        if options is not None and self.prepare_options is not None:
+            options = self.prepare_options(dict(options))
+        call = split_call((positional, keyword))
+        runtime = self.runtime
+        mesh = self.mesh
+        state = self.place()
+        base = (call.structure, tuple(mesh.shape.items()), self.attention)
+        with self._lock:
+            variant = next((v for v in self._variants.get(base, ()) if options is None or v.reads.matches(options)),
+                           None)
+            if variant is None:
+                variant = self._compile(base, call, options, state)
+        self.stats.calls += 1
+        start = time.perf_counter()
+        inputs = self._inputs(call)
+        placed = time.perf_counter()
+        out, arrays = variant.executable(state, inputs)
+        import jax
+
+        jax.block_until_ready((out, arrays))
+        ran = time.perf_counter()
+        result = runtime.to_cpu(out)
+        if self.mutable_lists:
+            _write_back(_lists_of(positional, keyword), variant.list_layouts, arrays)
+        self.stats.to_device_seconds += placed - start
+        self.stats.run_seconds += ran - placed
+        self.stats.to_host_seconds += time.perf_counter() - ran
+        return result
+
+    def _inputs(self, call) -> list:
+        return [leaf.array if isinstance(leaf, DeviceValue) else self.runtime.put(leaf, self._input_sharding(leaf))
+                for leaf in call.leaves]
+
+    def _input_sharding(self, leaf: torch.Tensor):
+        """Inputs replicated, except a leading batch that dp divides (CFG's cond and uncond) split over dp."""
+        dp = self.mesh.shape["dp"]
+        if dp > 1 and leaf.ndim >= 1 and leaf.shape[0] % dp == 0:
+            return self.runtime.sharding(self.mesh, ("dp",))
+        return self.runtime.sharding(self.mesh)
+
+    # --- compiling ------------------------------------------------------------------------------------------
+    def _compile(self, base: tuple, call, options, state) -> _Variant:
+        runtime = self.runtime
+        env = runtime.env
+        reads = OptionReads()
+        recorded = RecordedOptions(options, reads) if options is not None else None
+        holder = _Holder(self.module)
+        method, options_arg, attention, mesh = self.method, self.options_arg, self.attention, self.mesh
+        mutable = self.mutable_lists
+        layouts: list = []
+
+        def program(weights, leaves):
+            weights, leaves = env.j2t_iso((weights, leaves))
+            positional, keyword = rebuild(call.structure, leaves, call.objects)
+            if recorded is not None:
+                keyword[options_arg] = recorded
+            params = {f"inner.{k}": v for k, v in weights.items()}
+            with env, attention_scope(attention, mesh):
+                out = torch.func.functional_call(holder, params, ((method, positional, keyword),), strict=False,
+                                                 tie_weights=False)
+            arrays: list = []
+            layouts.clear()
+            for values in _lists_of(positional, keyword) if mutable else ():
+                layout = []
+                for value in values:
+                    if isinstance(value, torch.Tensor):
+                        layout.append(("array", len(arrays)))
+                        arrays.append(value)
+                    else:
+                        layout.append(("value", value))
+                layouts.append(layout)
+            return env.t2j_iso(out), env.t2j_iso(arrays)
+
+        example = self._inputs(call)
+        key = ("bridge", self.label, id(self), base, len(self._variants.get(base, ())))
+        start = time.perf_counter()
+        try:
+            executable = runtime.compiled(key, program, state, example,
+                                          describe=f"{self.label} for {_describe(call)}")
+        except UntraceableModel:
+            raise
+        except Exception as error:  # noqa: BLE001 - any failure inside the model's code while traced
+            raise explain_trace_failure(self.label, error) from error
+        self.stats.trace_compile_seconds += time.perf_counter() - start
+        self.stats.programs += 1
+        if options is not None:
+            reads.finish(options)
+        variant = _Variant(reads, key, executable, [list(layout) for layout in layouts])
+        variants = self._variants.setdefault(base, [])
+        variants.append(variant)
+        if len(variants) > VARIANT_WARNING and base not in self._warned_variants:
+            self._warned_variants.add(base)
+            log.warning("%s: %d programs for one input shape: the model reads options that change between calls "
+                        "(%s); each new value compiles again", self.label, len(variants), reads.describe())
+        return variant
+
+
+def _lists_of(positional, keyword) -> list[list]:
+    """The lists passed to a call (as arguments, not inside other values), in argument order."""
+    return [v for v in list(positional) + list(keyword.values()) if isinstance(v, list)]
+
+
+def _write_back(targets: list[list], layouts: list, arrays) -> None:
+    """Give the caller's lists the values the program left in them: arrays stay on the devices (``DeviceValue``),
+    other values (indices, ``None``) as they were when traced."""
+    for target, layout in zip(targets, layouts):
+        target[:] = [DeviceValue(arrays[ref]) if kind == "array" else ref for kind, ref in layout]
+
+
+class _Holder(torch.nn.Module):
+    """Lets ``torch.func.functional_call`` swap the module's tensors while any function of it runs."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.inner = module
+
+    def forward(self, call):
+        method, positional, keyword = call
+        return method(self.inner, *positional, **keyword)
+
+
+def _describe(call) -> str:
+    shapes = [tuple(leaf.shape) for leaf in call.leaves[:3]]
+    more = f" +{len(call.leaves) - 3} inputs" if len(call.leaves) > 3 else ""
+    return "inputs " + ", ".join("x".join(map(str, s)) or "scalar" for s in shapes) + more
+
+
+_OUR_CODE = ("/torch/", "/torchax/", "/jax/", "/jaxlib/", "/tpu_runtime/", "/functools.py", "/contextlib.py")
+
+
+def explain_trace_failure(label: str, error: BaseException) -> UntraceableModel:
+    """What failed while tracing ``label``'s code, in words a user can act on: the op or the Python construct,
+    and the line of the model's own code where it happened."""
+    import jax
+
+    name = type(error).__name__
+    text = str(error).strip().splitlines()[0] if str(error).strip() else name
+    concrete = (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
+                jax.errors.TracerIntegerConversionError, jax.errors.TracerArrayConversionError)
+    if isinstance(error, concrete):
+        what = ("data-dependent Python control flow: a value computed from the inputs is used as a Python "
+                "number or truth value (`if tensor`, `.item()`, `int(tensor)`), which a compiled program cannot do")
+    elif name == "OperatorNotFound":
+        op = text.replace("Operator with name ", "").replace(" has no lowering", "")
+        what = f"the op {op} has no JAX lowering in torchax"
+    else:
+        what = f"{name}: {text}"
+    where = ""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if not any(part in frame.filename.replace("\\", "/") for part in _OUR_CODE):
+            where = f" at {frame.filename}:{frame.lineno} in {frame.name}()" + (
+                f": `{frame.line.strip()}`" if frame.line else "")
+            break
+    return UntraceableModel(
+        f"{label} cannot run on the TPU runtime: {what}{where}. Remove the TPU node in front of this model to run "
+        f"it with ComfyUI's own code on the host (the model itself is unchanged)."
+    )
