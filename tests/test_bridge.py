@@ -221,3 +221,120 @@ def test_ltx_video_frame_rate_mask_and_noise_mask(pack, tmp_path):
     out = comfy.sample.sample(on_tpu, noise, 4, 3.0, "euler", "simple", positive, negative, start,
                               noise_mask=noise_mask, seed=3, disable_pbar=True)
     assert relative(out, native) < TOL
+
+
+def test_context_windows(pack, files):
+    from comfy_extras.nodes_context_windows import WanContextWindowsManualNode
+
+    model = load(files["wan"])
+    latent = torch.zeros(1, 16, 6, 8, 8)
+    positive, negative = conds()
+
+    def windowed(m):  # 9 frames (3 latent frames) a window, 4 (1) overlapping, over 6 latent frames
+        return WanContextWindowsManualNode.execute(m, 9, 4, "standard_static", 1, False, "pyramid").result[0]
+
+    native = sample(windowed(model), latent, positive, negative)
+    assert relative(native, sample(model, latent, positive, negative)) > 1e-3  # windows change the result
+    for on_tpu in (windowed(tpu(pack, model)), tpu(pack, windowed(model))):  # the node before or after
+        assert relative(sample(on_tpu, latent, positive, negative), native) < TOL
+        module = bridged(on_tpu)
+        assert module.stats.programs == 1  # every window has the window's shape: one program
+
+
+@pytest.mark.parametrize("cache", ["EasyCache", "LazyCache"])
+def test_easycache_and_lazycache_skip_calls_alike(pack, files, cache):
+    import comfy_extras.nodes_easycache as easycache
+
+    node = getattr(easycache, f"{cache}Node")
+    model = load(files["wan"])
+    positive, negative = conds()
+
+    def cached(m):
+        return node.execute(m, 1.5, 0.15, 0.95, False).result[0]
+
+    native = sample(cached(model), LATENT, positive, negative, steps=10)
+    on_tpu = cached(tpu(pack, model))
+    out = sample(on_tpu, LATENT, positive, negative, steps=10)
+    assert relative(out, native) < TOL
+    assert bridged(on_tpu).stats.calls < 10  # steps were skipped (each call is one CFG batch of two)
+
+
+def _geqrf_block(args, extra):
+    torch.geqrf(args["img"][0, :4, :4])  # an op torchax has no lowering for
+    return {"img": extra["original_block"](args)["img"]}
+
+
+def _python_branch_block(args, extra):
+    if args["img"].abs().max() > 100:  # a Python branch on a value the model computes
+        return {"img": args["img"]}
+    return {"img": extra["original_block"](args)["img"]}
+
+
+@pytest.mark.parametrize("patch,what", [(_geqrf_block, "the op aten::geqrf has no JAX lowering"),
+                                        (_python_branch_block, "data-dependent Python control flow")])
+def test_an_untraceable_model_is_named_and_still_runs_without_the_node(pack, files, patch, what):
+    from tpu_runtime.bridge.program import UntraceableModel
+
+    model = load(files["wan"]).clone()
+    model.set_model_patch_replace(patch, "dit", "double_block", 0)
+    positive, negative = conds()
+    with pytest.raises(UntraceableModel) as refused:
+        sample(tpu(pack, model), LATENT, positive, negative, steps=2)
+    message = str(refused.value)
+    assert "WanModel" in message and what in message and "test_bridge.py" in message
+    assert sample(model, LATENT, positive, negative, steps=2).isfinite().all()  # the model without the node
+
+
+def _fp8_file(model_module, path, seed, scaled: bool):
+    """ComfyUI's fp8 file: every block matrix in float8_e4m3fn, with per-layer scales (``scale_weight``) and the
+    ``scaled_fp8`` marker when ``scaled``."""
+    from comfy_native import randomise
+    from safetensors.torch import save_file
+
+    state = {}
+    for name, value in randomise(model_module, seed).items():
+        key = "model.diffusion_model." + name
+        if name.startswith("blocks.") and value.ndim == 2:
+            scale = value.abs().max() / 448.0 if scaled else torch.tensor(1.0)
+            state[key] = (value / scale).to(torch.float8_e4m3fn)
+            if scaled:
+                state[key[: -len("weight")] + "scale_weight"] = scale.float()
+        else:
+            state[key] = value
+    if scaled:
+        state["model.diffusion_model.scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    save_file(state, str(path))
+    return path
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_fp8_weights_stay_fp8_on_the_devices(pack, tmp_path, scaled):
+    path = _fp8_file(tiny_wan("t2v"), tmp_path / "wan_fp8.safetensors", seed=12, scaled=scaled)
+    model = load(path, dtype=torch.float8_e4m3fn) if not scaled else load(path)
+    positive, negative = conds()
+    native = sample(model, LATENT, positive, negative)
+    on_tpu = tpu(pack, model, compute_dtype="as loaded")
+    assert relative(sample(on_tpu, LATENT, positive, negative), native) < TOL
+    state = bridged(on_tpu).state
+    assert str(state["blocks.0.self_attn.q.weight"].dtype) == "float8_e4m3fn"  # cast inside the program
+    # auto: computed in bfloat16 as ComfyUI computes fp8 weights on an accelerator
+    import comfy.sample  # noqa: F401
+
+    as_gpu = model.clone()
+    as_gpu.add_object_patch("manual_cast_dtype", torch.bfloat16)
+    reference = sample(as_gpu, LATENT, positive, negative)
+    assert relative(sample(tpu(pack, model), LATENT, positive, negative), reference) < 3e-2
+
+
+def test_bf16_weights_compute_in_bf16(pack, files):
+    model = load(files["wan"], dtype=torch.bfloat16)
+    assert model.model.manual_cast_dtype == torch.float32  # what --cpu chose: every layer cast up
+    positive, negative = conds()
+    as_gpu = model.clone()
+    as_gpu.add_object_patch("manual_cast_dtype", None)
+    reference = sample(as_gpu, LATENT, positive, negative)
+    on_tpu = tpu(pack, model)
+    assert relative(sample(on_tpu, LATENT, positive, negative), reference) < 3e-2
+    assert str(bridged(on_tpu).state["blocks.0.ffn.0.weight"].dtype) == "bfloat16"
+    exact = tpu(pack, model, compute_dtype="as loaded")
+    assert relative(sample(exact, LATENT, positive, negative), sample(model, LATENT, positive, negative)) < TOL
