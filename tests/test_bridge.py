@@ -338,3 +338,38 @@ def test_bf16_weights_compute_in_bf16(pack, files):
     assert str(bridged(on_tpu).state["blocks.0.ffn.0.weight"].dtype) == "bfloat16"
     exact = tpu(pack, model, compute_dtype="as loaded")
     assert relative(sample(exact, LATENT, positive, negative), sample(model, LATENT, positive, negative)) < TOL
+
+
+def test_cancel_stops_between_model_calls(pack, files):
+    import comfy.model_management as mm
+    import comfy.sample
+
+    on_tpu = tpu(pack, load(files["wan"]))
+    positive, negative = conds()
+    noise = comfy.sample.prepare_noise(LATENT, 1)
+
+    def press_cancel(step, *_):
+        mm.interrupt_current_processing(True)  # what the server's Cancel does
+
+    try:
+        with pytest.raises(mm.InterruptProcessingException):
+            comfy.sample.sample(on_tpu, noise, 6, 4.0, "euler", "simple", positive, negative, LATENT, seed=1,
+                                callback=press_cancel, disable_pbar=True)
+    finally:
+        mm.interrupt_current_processing(False)
+    assert bridged(on_tpu).stats.calls == 1  # the first step's call ran; the second was refused
+    assert sample(on_tpu, LATENT, positive, negative).isfinite().all()  # and the next prompt runs
+
+
+def test_unload_models_releases_the_device_copy(pack, files):
+    import comfy.model_management as mm
+
+    model = load(files["wan"])
+    on_tpu = tpu(pack, model)
+    positive, negative = conds()
+    first = sample(on_tpu, LATENT, positive, negative)
+    assert bridged(on_tpu).state is not None
+    mm.unload_all_models()  # ComfyUI's "Unload Models" and POST /free
+    assert bridged(on_tpu).state is None
+    assert relative(sample(on_tpu, LATENT, positive, negative), first) < 1e-6  # placed again when used
+    assert bridged(on_tpu).stats.programs == 1
