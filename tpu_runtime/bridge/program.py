@@ -237,13 +237,15 @@ class BridgedModule:
         return self.runtime.sharding(self.mesh)
 
     # --- compiling ------------------------------------------------------------------------------------------
-    def _compile(self, base: tuple, call, options, state) -> _Variant:
-        runtime = self.runtime
-        env = runtime.env
+    def program_function(self, call, options, mesh) -> tuple[Callable, OptionReads, list]:
+        """The function the runtime compiles for ``call`` on ``mesh``: ``fn(weights, leaves) -> (output, the
+        arrays left in the call's lists)``; the options the model reads while it is traced are recorded in the
+        returned ``OptionReads``, and the lists' layout in the returned list (filled by the trace)."""
+        env = self.runtime.env
         reads = OptionReads()
         recorded = RecordedOptions(options, reads) if options is not None else None
         holder = _Holder(self.module)
-        method, options_arg, attention, mesh = self.method, self.options_arg, self.attention, self.mesh
+        method, options_arg, attention = self.method, self.options_arg, self.attention
         mutable = self.mutable_lists
         layouts: list = []
 
@@ -269,6 +271,11 @@ class BridgedModule:
                 layouts.append(layout)
             return env.t2j_iso(out), env.t2j_iso(arrays)
 
+        return program, reads, layouts
+
+    def _compile(self, base: tuple, call, options, state) -> _Variant:
+        runtime = self.runtime
+        program, reads, layouts = self.program_function(call, options, self.mesh)
         example = self._inputs(call)
         key = ("bridge", self.label, id(self), base, len(self._variants.get(base, ())))
         start = time.perf_counter()

@@ -514,6 +514,41 @@ def add_args(parser) -> None:
     parser.add_argument("--layers", type=int, help="compile the transformer with this many layers (a quick check; "
                         "reported as reduced depth)")
     parser.add_argument("--json", help="also write the report as JSON to this file")
+    parser.add_argument("--comfy-model", help="plan ComfyUI's own model class as TPU Diffusion Model runs it "
+                        "(the native bridge) instead of --model: "
+                        + ", ".join(_native_names()))
+    parser.add_argument("--comfy", metavar="COMFYUI_DIR", help="the ComfyUI folder whose model classes "
+                        "--comfy-model compiles")
+    parser.add_argument("--no-compare", action="store_true", help="with --comfy-model: do not plan our own "
+                        "family's step of the same model beside it")
+
+
+def _native_names() -> list[str]:
+    from ..bridge.architectures import ARCHITECTURES
+
+    return list(ARCHITECTURES)
+
+
+def run_native(args) -> int:
+    """``plan --comfy-model``: each topology given, the bridged step (and our family's beside it)."""
+    from dataclasses import asdict
+
+    from ..engine.attention import AttentionConfig
+    from .plan_native import check_args, format_native_report, plan_native
+
+    check_args(args)
+    attention = AttentionConfig(impl=args.attention, block_q=args.block_q, block_kv=args.block_kv,
+                                block_kv_compute=args.block_kv_compute, exp2=args.exp2)
+    reports = []
+    for topology in [parse_topology(t) for t in args.topology.split(",")]:
+        report = plan_native(args.comfy_model, args.comfy, topology, height=args.height, width=args.width,
+                             frames=args.frames, guidance=args.guidance, mesh=args.mesh, layers=args.layers,
+                             attention=attention, compare=not args.no_compare)
+        print(format_native_report(report), flush=True)
+        reports.append(asdict(report))
+        if args.json:
+            Path(args.json).write_text(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
+    return 0 if all(r["fits"] for r in reports) else 3
 
 
 class PlanStopped(BaseException):
@@ -535,6 +570,11 @@ def run(args) -> int:
     from ..engine.validation import check_number
     from .options import file_args
 
+    if getattr(args, "comfy_model", None):
+        for name, value in (("--height", args.height), ("--width", args.width), ("--frames", args.frames),
+                            ("--layers", args.layers)):
+            check_number(name, value, minimum=1, integer=True, optional=True)
+        return run_native(args)
     for name, value in (("--height", args.height), ("--width", args.width), ("--frames", args.frames)):
         check_number(name, value, minimum=1, integer=True, optional=True)
     check_number("--steps", args.steps, minimum=1, integer=True, optional=True)
