@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import math
 import os
 import sys
 from pathlib import Path
 
 import torch
+
+from tpu_runtime.bridge.tiny import random_state as randomise  # noqa: F401 - the tests' builders, re-exported
+from tpu_runtime.bridge.tiny import save_diffusion_model, tiny_wan  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 COMFYUI = Path(os.environ.get("TPU_VIDEO_COMFYUI") or ROOT.parent / "shared" / "comfyui").resolve()
@@ -78,51 +80,7 @@ def load_pack():
     return module
 
 
-# --- tiny random-weight models ----------------------------------------------------------------------------------------
-def randomise(module: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    """A state dict of ``module``'s names and shapes with random values of sensible size: matrices ~ 1/sqrt(fan-in),
-    norm scales near 1, biases and other vectors small."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, t in module.state_dict().items():
-        shape = tuple(t.shape)
-        if not t.dtype.is_floating_point:
-            out[name] = t.clone()
-            continue
-        noise = torch.randn(shape, generator=g, dtype=torch.float32)
-        if len(shape) >= 2:
-            fan_in = math.prod(shape[1:])
-            value = noise / math.sqrt(fan_in)
-        elif "norm" in name and name.endswith("weight"):
-            value = 1.0 + 0.1 * noise
-        else:
-            value = 0.05 * noise
-        out[name] = value.contiguous()
-    return out
-
-
-def save_diffusion_model(module: torch.nn.Module, path: Path, seed: int, dtype=torch.float32,
-                         prefix: str = "model.diffusion_model.") -> Path:
-    """``module``'s random weights as ComfyUI's single file (the key prefix its checkpoint files carry)."""
-    from safetensors.torch import save_file
-
-    state = {prefix + k: v.to(dtype) for k, v in randomise(module, seed).items()}
-    save_file(state, str(path))
-    return path
-
-
-def tiny_wan(kind: str = "t2v", dim: int = 128, layers: int = 2, in_dim: int = 16, **extra) -> torch.nn.Module:
-    """ComfyUI's Wan classes at a tiny size (heads = dim / 128, as ComfyUI's detection reads them)."""
-    import comfy.ldm.wan.model as wan
-    import comfy.ops
-
-    common = dict(dim=dim, ffn_dim=2 * dim, num_heads=dim // 128, num_layers=layers, in_dim=in_dim, out_dim=16,
-                  text_dim=4096, operations=comfy.ops.disable_weight_init)
-    if kind == "vace":
-        return wan.VaceWanModel(vace_layers=extra.get("vace_layers", 1), vace_in_dim=96, **common)
-    return wan.WanModel(model_type=kind, **common, **extra)
-
-
+# --- tiny random-weight models (ComfyUI's classes; Wan's builders are the package's: bench uses them too) ----------
 def tiny_hunyuan_video(hidden: int = 128, context: int = 64, double: int = 1, single: int = 1) -> torch.nn.Module:
     import comfy.ldm.hunyuan_video.model as hv
     import comfy.ops

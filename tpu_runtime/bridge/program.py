@@ -60,6 +60,7 @@ class CallStats:
     to_device_seconds: float = 0.0
     run_seconds: float = 0.0
     to_host_seconds: float = 0.0
+    call_seconds: float = 0.0  # whole calls, from the arguments to the result on the host (compiles excluded)
     weight_refreshes: int = 0
 
     def reset(self) -> None:
@@ -195,6 +196,7 @@ class BridgedModule:
         return positional, keyword, options
 
     def __call__(self, *args, **kwargs):
+        entered = time.perf_counter()
         positional, keyword, options = self._arguments(args, kwargs)
         if options is not None and self.prepare_options is not None:
             options = self.prepare_options(dict(options))
@@ -206,8 +208,11 @@ class BridgedModule:
         with self._lock:
             variant = next((v for v in self._variants.get(base, ()) if options is None or v.reads.matches(options)),
                            None)
+            compiled = 0.0
             if variant is None:
+                before = time.perf_counter()
                 variant = self._compile(base, call, options, state)
+                compiled = time.perf_counter() - before
         self.stats.calls += 1
         start = time.perf_counter()
         inputs = self._inputs(call)
@@ -223,6 +228,7 @@ class BridgedModule:
         self.stats.to_device_seconds += placed - start
         self.stats.run_seconds += ran - placed
         self.stats.to_host_seconds += time.perf_counter() - ran
+        self.stats.call_seconds += time.perf_counter() - entered - compiled
         return result
 
     def _inputs(self, call) -> list:

@@ -588,11 +588,22 @@ def add_args(p) -> None:
     p.add_argument("--cache-threshold", type=float, help="with --cache (default: diffusers')")
     p.add_argument("--mag-ratios", help="with --cache magcache (default: the model's published ones; a tiny model: "
                    "Wan 2.1 T2V 1.3B's)")
+    p.add_argument("--comfy-native", action="store_true", help="instead: ComfyUI's own sampling of its own Wan model, "
+                   "natively and through TPU Diffusion Model (needs --comfy)")
+    p.add_argument("--comfy", metavar="COMFYUI_DIR", help="with --comfy-native: the ComfyUI folder")
+    p.add_argument("--comfy-file", help="with --comfy-native: a Wan diffusion model file of ComfyUI's (default: a "
+                   "tiny random-weight one built on the spot)")
     p.add_argument("--json", help="also write the results here")
 
 
 def main(args) -> int:
-    if args.load_file_mb and args.generation == "ltx2":
+    if args.comfy_native:
+        from .bench_native import bench_native, print_native_table
+
+        r = bench_native(args.comfy, args.comfy_file, height=args.height or 64, width=args.width or 64,
+                         frames=args.frames or 9, steps=args.steps, repeats=args.repeats)
+        print_native_table(r)
+    elif args.load_file_mb and args.generation == "ltx2":
         r = bench_ltx2_file_load(args.load_file_mb)
         print_ltx2_load_table(r)
     elif args.load_file_mb:

@@ -1,0 +1,95 @@
+"""``bench --comfy-native``: ComfyUI's own sampling of its own Wan model, natively and through TPU Diffusion Model,
+in one process on the same weights.
+
+Reports wall times per generation (cold: the first, with its compiles; warm: a new seed), the XLA compiles each
+generation ran, and per model call the time outside the compiled program (splitting the call, copying latents and
+conditioning to the devices and the result back, dispatch) against the program's own run time. Without
+``--comfy-file`` a tiny random-weight Wan file is built on the spot: the numbers measure the bridge's overheads
+and compiles, not a real model's speed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+
+def bench_native(comfy_dir: str | None, model_file: str | None = None, *, height: int = 64, width: int = 64,
+                 frames: int = 9, steps: int = 8, cfg: float = 5.0, repeats: int = 2, text_tokens: int = 512,
+                 dim: int = 256, layers: int = 4) -> dict:
+    import torch
+
+    from ..bridge.architectures import use_comfyui
+    from ..bridge.comfy import BridgeSettings, diffusion_model_on_runtime
+    from ..engine.runtime import compile_stats, get_runtime
+    from .bench import _machine
+
+    use_comfyui(comfy_dir)
+    import comfy.sample
+    import comfy.sd
+
+    work = Path(tempfile.mkdtemp(prefix="tpu_video_bench_native_"))
+    runtime = get_runtime(cache_dir=work / "xla_cache")  # cold means compiled here
+    if model_file is None:
+        from ..bridge.tiny import save_diffusion_model, tiny_wan
+
+        model_file = str(save_diffusion_model(tiny_wan("t2v", dim=dim, layers=layers), work / "wan.safetensors", 1))
+        label = f"tiny random-weight ComfyUI WanModel (dim {dim}, {layers} layers)"
+    else:
+        label = model_file
+    model = comfy.sd.load_diffusion_model(model_file)
+    g = torch.Generator().manual_seed(0)
+    width_text = model.model.diffusion_model.text_embedding[0].weight.shape[1]
+    positive = [[torch.randn(1, text_tokens, width_text, generator=g), {}]]
+    negative = [[torch.randn(1, text_tokens, width_text, generator=g), {}]]
+    latent = torch.zeros(1, 16, (frames - 1) // 4 + 1, height // 8, width // 8)
+
+    def generate(m, seed: int):
+        noise = comfy.sample.prepare_noise(latent, seed)
+        start = time.perf_counter()
+        comfy.sample.sample(m, noise, steps, cfg, "euler", "simple", positive, negative, latent, seed=seed,
+                            disable_pbar=True)
+        return time.perf_counter() - start
+
+    native = [generate(model, i) for i in range(repeats + 1)]
+    bridged_model = diffusion_model_on_runtime(model, BridgeSettings())
+    bridged = next(v for k, v in bridged_model.object_patches.items() if k.startswith("diffusion_model.")).bridged
+    runs, compiles = [], []
+    for i in range(repeats + 1):
+        before = compile_stats()
+        if i == 1:
+            bridged.stats.reset()  # per-call figures from warm generations only
+        runs.append(generate(bridged_model, i))
+        compiles.append(compile_stats().since(before).xla_compiles)
+    s = bridged.stats
+    calls = max(s.calls, 1)
+    return {
+        "machine": _machine(runtime), "model": label, "size": f"{width}x{height}x{frames}", "steps": steps,
+        "cfg": cfg, "text_tokens": text_tokens,
+        "native_s": {"cold": native[0], "warm": statistics.median(native[1:])},
+        "bridged_s": {"cold": runs[0], "warm": statistics.median(runs[1:])},
+        "xla_compiles_per_generation": compiles,
+        "programs": bridged.program_count,
+        "per_call_ms": {"calls": s.calls, "whole": 1e3 * s.call_seconds / calls,
+                        "program": 1e3 * s.run_seconds / calls, "to_device": 1e3 * s.to_device_seconds / calls,
+                        "to_host": 1e3 * s.to_host_seconds / calls,
+                        "outside_program": 1e3 * (s.call_seconds - s.run_seconds) / calls},
+    }
+
+
+def print_native_table(r: dict) -> None:
+    m = r["machine"]
+    print(f"bench --comfy-native: {r['model']} at {r['size']}, {r['steps']} euler steps, CFG {r['cfg']:g}, "
+          f"{r['text_tokens']} text tokens")
+    print(f"  on {m['backend']} ({m['devices']} device(s), {m['device_kind']}), {m['processor']}")
+    print(f"  {'':<28}{'cold s':>9}{'warm s':>9}")
+    print(f"  {'ComfyUI native (torch)':<28}{r['native_s']['cold']:>9.2f}{r['native_s']['warm']:>9.2f}")
+    print(f"  {'TPU Diffusion Model':<28}{r['bridged_s']['cold']:>9.2f}{r['bridged_s']['warm']:>9.2f}"
+          f"   warm ratio {r['bridged_s']['warm'] / r['native_s']['warm']:.2f} of native")
+    print(f"  XLA compiles per generation: {r['xla_compiles_per_generation']} ({r['programs']} program(s))")
+    c = r["per_call_ms"]
+    print(f"  per model call (warm, {c['calls']} calls): {c['whole']:.2f} ms in all, the program "
+          f"{c['program']:.2f} ms, outside it {c['outside_program']:.2f} ms (to the devices {c['to_device']:.2f}, "
+          f"back {c['to_host']:.2f}, the rest splitting the call and dispatch)")
