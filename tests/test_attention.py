@@ -118,3 +118,35 @@ def test_full_model_through_splash(tiny_models, tmp_path):
     ours = stage_files.load_frames(tmp_path).numpy()
     ref = diffusers_frames(tiny_models["5b"], PROMPT, NEGATIVE, 64, 96, 9, 2, 6.0, 9)
     assert np.abs(ours - ref).max() < 1e-4
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "splash", "reference"])
+@pytest.mark.parametrize("boolean", [True, False])
+def test_a_padding_mask_keeps_the_efficient_paths_and_equals_torch(impl, boolean):
+    """ComfyUI's text masks (HunyuanVideo's joint attention, LTX-Video's cross-attention) leave keys out for every
+    query: [B or 1, 1, 1, S], boolean or additive (0 and -max). Through the torchax override they equal torch's
+    own scaled_dot_product_attention with the same mask, per batch element."""
+    import jax
+
+    from tpu_runtime.engine.runtime import get_runtime
+
+    runtime = get_runtime()
+    q, k, v = (torch.from_numpy(x) for x in _qkv(b=2, lq=150, lk=90, d=64, seed=3))
+    valid = torch.ones(2, 1, 1, 90, dtype=torch.bool)
+    valid[0, ..., 70:] = False
+    valid[1, ..., 40:] = False
+    mask = valid if boolean else (valid.float() - 1.0) * torch.finfo(torch.float32).max
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    config = A.AttentionConfig(impl=impl, block_q=128, block_kv=128, block_kv_compute=128, chunk_q=64, chunk_kv=32)
+    env = runtime.env
+
+    def run(q, k, v, m):
+        with A.attention_scope(config), env:
+            args = env.j2t_iso((q, k, v, m))
+            return env.t2j_iso(torch.nn.functional.scaled_dot_product_attention(*args[:3], attn_mask=args[3]))
+
+    lowered = jax.jit(run).lower(*(runtime.put(t) for t in (q, k, v, mask))).as_text()
+    got = jax.jit(run)(*(runtime.put(t) for t in (q, k, v, mask)))
+    assert float(np.abs(np.asarray(got) - expected.numpy()).max()) < 1e-5
+    full_scores = "2x2x150x90x" in lowered  # a score for every query and key at once
+    assert full_scores == (impl == "reference")

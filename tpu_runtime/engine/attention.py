@@ -12,7 +12,10 @@ on the active ``AttentionConfig``:
 - ``blockwise``: online-softmax attention over q and kv chunks (any backend; memory O(chunk_q × chunk_kv)).
 - ``reference``: plain softmax(q kᵀ) v, for checking.
 
-Calls with a mask or dropout (T5-style additive masks, the VAE) always take a path that honours them.
+Calls with a mask take a path that honours it: a padding mask (the same for every query and head, e.g. ComfyUI's
+text masks for HunyuanVideo and LTX-Video) keeps the memory-efficient paths (splash with segment ids for a boolean
+mask, blockwise with the scores' bias for an additive one); any other mask (T5-style relative biases, causal)
+takes the plain masked path.
 """
 
 from __future__ import annotations
@@ -126,8 +129,9 @@ def _pad_axis(x, axis: int, size: int):
     return jnp.pad(x, widths)
 
 
-def blockwise_attention(q, k, v, scale: float, chunk_q: int = 1024, chunk_kv: int = 1024):
-    """Exact attention with an online softmax over kv chunks, one q chunk at a time; never builds L×S."""
+def blockwise_attention(q, k, v, scale: float, chunk_q: int = 1024, chunk_kv: int = 1024, key_bias=None):
+    """Exact attention with an online softmax over kv chunks, one q chunk at a time; never builds L×S.
+    ``key_bias`` ([B, S], optional) is added to every query's score of each key (a padding mask's 0 / -max)."""
     import jax
     import jax.numpy as jnp
 
@@ -138,16 +142,21 @@ def blockwise_attention(q, k, v, scale: float, chunk_q: int = 1024, chunk_kv: in
     qp = _pad_axis(q, 2, nq * cq).reshape(b, h, nq, cq, d)
     kp = _pad_axis(k, 2, nk * ck).reshape(b, h, nk, ck, d)
     vp = _pad_axis(v, 2, nk * ck).reshape(b, h, nk, ck, d)
-    kv_valid = (jnp.arange(nk * ck) < lk).reshape(nk, ck)
+    valid = jnp.arange(nk * ck) < lk
+    if key_bias is None:
+        bias = jnp.where(valid, 0.0, _NEG)[None, :]
+    else:
+        bias = jnp.where(valid[None, :], jnp.maximum(_pad_axis(key_bias.astype(jnp.float32), 1, nk * ck), _NEG), _NEG)
+    kv_bias = jnp.moveaxis(bias.reshape(bias.shape[0], nk, ck), 1, 0)  # [nk, B or 1, ck]
 
     def one_q_chunk(qc):  # [B, H, cq, D]
         qc = qc.astype(jnp.float32) * scale
 
         def step(carry, inputs):
             m, l, acc = carry
-            kc, vc, valid = inputs
+            kc, vc, chunk_bias = inputs
             s = jnp.einsum("bhqd,bhkd->bhqk", qc, kc.astype(jnp.float32))
-            s = jnp.where(valid[None, None, None, :], s, _NEG)
+            s = jnp.maximum(s + chunk_bias[:, None, None, :], _NEG)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             correction = jnp.exp(m - m_new)
@@ -157,7 +166,7 @@ def blockwise_attention(q, k, v, scale: float, chunk_q: int = 1024, chunk_kv: in
 
         init = (jnp.full((b, h, cq), _NEG, jnp.float32), jnp.zeros((b, h, cq), jnp.float32),
                 jnp.zeros((b, h, cq, d), jnp.float32))
-        kvs = (jnp.moveaxis(kp, 2, 0), jnp.moveaxis(vp, 2, 0), kv_valid)
+        kvs = (jnp.moveaxis(kp, 2, 0), jnp.moveaxis(vp, 2, 0), kv_bias)
         (_, l, acc), _ = jax.lax.scan(step, init, kvs)
         return (acc / l[..., None]).astype(q.dtype)
 
@@ -214,8 +223,10 @@ def _splash_kernel(heads: int, lq_pad: int, lk_pad: int, bq: int, bkv: int, bkv_
     return sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
-def splash_attention(q, k, v, scale: float, config: AttentionConfig, interpret: bool, narrowing: int = 1):
-    """Splash attention on [B, H, L, D]: pads to the block sizes, masks the padding with segment ids."""
+def splash_attention(q, k, v, scale: float, config: AttentionConfig, interpret: bool, narrowing: int = 1,
+                     key_valid=None):
+    """Splash attention on [B, H, L, D]: pads to the block sizes, masks the padding with segment ids (and the keys
+    ``key_valid`` ([B or 1, S] booleans) leaves out: a padding mask)."""
     import jax
     import jax.numpy as jnp
 
@@ -224,6 +235,11 @@ def splash_attention(q, k, v, scale: float, config: AttentionConfig, interpret: 
     bq, bkv, bkv_c, lq_pad, lk_pad = splash_block_sizes(config, lq, lk, d, narrowing)
     q_seg = (jnp.arange(lq_pad) >= lq).astype(jnp.int32)  # 0 = real token, 1 = padding
     kv_seg = (jnp.arange(lk_pad) >= lk).astype(jnp.int32)
+    kv_axis = None
+    if key_valid is not None:  # per batch element: a key left out is in another segment than every query
+        valid = _pad_axis(key_valid.astype(jnp.int32), 1, lk_pad)
+        kv_seg = jnp.broadcast_to(1 - valid, (b, lk_pad)).astype(jnp.int32)
+        kv_axis = 0
     qp = _pad_axis(q * jnp.asarray(scale, q.dtype), 2, lq_pad)
     kp, vp = _pad_axis(k, 2, lk_pad), _pad_axis(v, 2, lk_pad)
     if config.exp2:
@@ -239,7 +255,7 @@ def splash_attention(q, k, v, scale: float, config: AttentionConfig, interpret: 
         def kernel(q1, k1, v1, q_seg, kv_seg):
             return splash(q1, k1, v1, segment_ids=sk.SegmentIds(q_seg, kv_seg))
 
-    out = jax.vmap(kernel, in_axes=(0, 0, 0, None, None))(qp, kp, vp, q_seg, kv_seg)
+    out = jax.vmap(kernel, in_axes=(0, 0, 0, None, kv_axis))(qp, kp, vp, q_seg, kv_seg)
     return out[:, :, :lq]
 
 
@@ -255,29 +271,40 @@ def cudnn_attention(q, k, v, scale: float):
     return t(out)
 
 
-def local_attention(q, k, v, scale: float, config: AttentionConfig, backend: str, narrowing: int = 1):
-    """Unmasked attention on [B, H, L, D] jax arrays of one device, with the implementation ``config`` names
-    (``narrowing``: see ``vmem_narrowing``)."""
+def local_attention(q, k, v, scale: float, config: AttentionConfig, backend: str, narrowing: int = 1,
+                    key_bias=None, key_valid=None):
+    """Attention on [B, H, L, D] jax arrays of one device, with the implementation ``config`` names
+    (``narrowing``: see ``vmem_narrowing``). A padding mask comes as ``key_valid`` (booleans) or ``key_bias``
+    (added to the scores), [B or 1, S]: splash takes the first as segment ids; an additive bias, which splash
+    cannot add, runs blockwise (exact, memory-efficient) on every backend."""
     impl = config.resolve(backend).impl
+    if key_valid is not None and impl != "splash":
+        import jax.numpy as jnp
+
+        key_bias, key_valid = jnp.where(key_valid, 0.0, _NEG), None
     if impl == "reference":
-        return reference_attention(q, k, v, scale)
-    if impl == "blockwise":
-        return blockwise_attention(q, k, v, scale, config.chunk_q, config.chunk_kv)
+        return reference_attention(q, k, v, scale, None if key_bias is None else key_bias[:, None, None, :])
+    if impl == "blockwise" or key_bias is not None:
+        return blockwise_attention(q, k, v, scale, config.chunk_q, config.chunk_kv, key_bias=key_bias)
     if impl == "cudnn":
         return cudnn_attention(q, k, v, scale)
-    return splash_attention(q, k, v, scale, config, interpret=backend != "tpu", narrowing=narrowing)
+    return splash_attention(q, k, v, scale, config, interpret=backend != "tpu", narrowing=narrowing,
+                            key_valid=key_valid)
 
 
-def attention(q, k, v, scale: float, config: AttentionConfig, backend: str, mesh=None):
+def attention(q, k, v, scale: float, config: AttentionConfig, backend: str, mesh=None, key_bias=None,
+              key_valid=None):
     """Attention on [B, H, L, D]; on a mesh of several devices each device computes its part inside
-    ``shard_map``: batch on dp, heads on tp, query positions on sp (k/v whole on every sp shard).
+    ``shard_map``: batch on dp, heads on tp, query positions on sp (k/v whole on every sp shard). A padding mask
+    (``key_bias`` or ``key_valid``, [B or 1, S]) follows the batch.
 
     A query length that sp does not divide is padded to a multiple of sp; the padded query rows are dropped.
     """
     fn = functools.partial(local_attention, scale=scale, config=config, backend=backend,
                            narrowing=vmem_narrowing(target_device_kind(mesh)) if backend == "tpu" else 1)
+    masks = {k: m for k, m in (("key_bias", key_bias), ("key_valid", key_valid)) if m is not None}
     if mesh is None or mesh.size == 1:
-        return fn(q, k, v)
+        return fn(q, k, v, **masks)
     from jax.sharding import PartitionSpec as P
 
     try:
@@ -292,14 +319,31 @@ def attention(q, k, v, scale: float, config: AttentionConfig, backend: str, mesh
     sp = "sp" if sp_size > 1 else None
     q = _pad_axis(q, 2, _round_up(lq, sp_size))
     q_spec, kv_spec = P(dp, tp, sp, None), P(dp, tp, None, None)
-    out = shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, check_vma=False)(q, k, v)
+    names = list(masks)
+    mask_specs = tuple(P(dp if m.shape[0] == b else None, None) for m in masks.values())
+
+    def local(q, k, v, *mask_values):
+        return fn(q, k, v, **dict(zip(names, mask_values)))
+
+    out = shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, *mask_specs), out_specs=q_spec,
+                    check_vma=False)(q, k, v, *masks.values())
     return out[:, :, :lq]
+
+
+def _padding_mask(mask_shape: tuple, query_shape: tuple) -> bool:
+    """Whether a mask of ``mask_shape`` only leaves keys out (the same for every query and head): [B or 1, 1, 1, S]."""
+    if len(mask_shape) != 4 or len(query_shape) != 4:
+        return False
+    return mask_shape[1] == 1 and mask_shape[2] == 1 and mask_shape[0] in (1, query_shape[0])
 
 
 # --- the torchax override ----------------------------------------------------------------------------------------
 def sdpa_override(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """Stands in for ``torch.nn.functional.scaled_dot_product_attention`` inside the torchax environment."""
+    """Stands in for ``torch.nn.functional.scaled_dot_product_attention`` inside the torchax environment. A padding
+    mask (the same for every query: ComfyUI's text masks) keeps the memory-efficient paths; other masks take the
+    plain masked path."""
     import jax.numpy as jnp
+    import torch
     from torchax.interop import call_jax
 
     if dropout_p:
@@ -307,6 +351,16 @@ def sdpa_override(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     head_dim = query.shape[-1]
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
     config, mesh, platform = active_config()
+    if attn_mask is not None and not (is_causal or enable_gqa) and _padding_mask(tuple(attn_mask.shape),
+                                                                                 tuple(query.shape)):
+        boolean = attn_mask.dtype == torch.bool
+
+        def padded(q, k, v, mask):
+            flat = mask.reshape(mask.shape[0], mask.shape[-1])
+            masks = {"key_valid": flat} if boolean else {"key_bias": flat.astype(jnp.float32)}
+            return attention(q, k, v, scale=scale, config=config, backend=platform, mesh=mesh, **masks)
+
+        return call_jax(padded, query, key, value, attn_mask)
     if attn_mask is not None or is_causal or enable_gqa or query.ndim != 4:
         def masked(q, k, v, mask):
             if is_causal:
