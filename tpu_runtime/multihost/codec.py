@@ -1,7 +1,7 @@
 """Messages between the first process of a slice and its workers: a replayed call's arguments as JSON.
 
 Stage values the workers hold go as ids (each process keeps its own copy of what it computed); stage values
-loaded from a file, and images, go as tensors in blobs; settings (dataclasses the engine and the families declare
+loaded from a file, and images, go as tensors in blobs (and the native bridge's serialized programs as bytes); settings (dataclasses the engine and the families declare
 in the registry) go by value; the runtime and callbacks are each process's own.
 """
 
@@ -47,6 +47,10 @@ class Encoder:
 
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
+        if isinstance(value, (bytes, bytearray)):  # a serialized program of the native bridge
+            key = f"blob{len(self.blobs)}"
+            self.blobs[key] = bytes(value)
+            return {"__bytes__": key}
         if isinstance(value, Path):
             self.paths.append(str(value.expanduser()))
             return {"__path__": str(value)}
@@ -114,6 +118,8 @@ def decode(value: Any, ctx) -> Any:
         return ctx.values[value["__value__"]]
     if "__model__" in value:
         return ctx.models[value["__model__"]]
+    if "__bytes__" in value:
+        return ctx.blob(value["__bytes__"])
     if "__blob__" in value:
         from safetensors.torch import load
 

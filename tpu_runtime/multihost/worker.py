@@ -77,6 +77,10 @@ def serve(runtime, slice_: Slice) -> int:
             if message["op"] == "open":
                 cls = _family_class(message["cls"])
                 prepared = functools.partial(cls, *args, **kwargs)
+            elif message["op"] == "bridge":  # ComfyUI's own model, run by the first process's native bridge
+                from .bridge import worker_call
+
+                prepared = functools.partial(worker_call, runtime, message["method"], args)
             else:
                 model = ctx.models[message["model"]]
                 if message["method"] == "sample":

@@ -1,0 +1,190 @@
+"""The native bridge on a slice of several hosts: ComfyUI runs on the first host only, the workers never import it.
+
+ComfyUI's sampler loop, its model and its host weights live in the first process. What every process must do
+alike is what touches the devices, so a bridged module on a slice replays exactly that, as calls of the slice
+(op ``bridge``, the worker command is the same ``python -m tpu_runtime worker``):
+
+- ``place``: the weights, sent from the first process through the devices' own collectives (a broadcast of byte
+  chunks: one small program per chunk size), each process then placing its own shards;
+- ``program``: a compiled program, as a serialized ``jax.export`` of what the first process traced (the workers
+  need neither ComfyUI nor torch code to run it; every process compiles the same StableHLO);
+- ``run``: one model call: its input tensors broadcast the same way, the program run everywhere, its result
+  gathered (the first process returns it, the workers drop it);
+- ``release``: the device weights dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+CHUNK_MIN = 1 << 20  # bytes: chunks are powers of two from here up to CHUNK_MAX (few programs, little padding)
+CHUNK_MAX = 1 << 28
+_ids = itertools.count(1)
+
+
+def broadcast_bytes(data: bytes | None, size: int) -> bytes:
+    """``size`` bytes from the first process (``data``; None elsewhere) to every process, through the devices."""
+    from jax.experimental import multihost_utils
+
+    out = bytearray()
+    offset = 0
+    while offset < size:
+        part = min(size - offset, CHUNK_MAX)
+        chunk = min(CHUNK_MAX, max(CHUNK_MIN, 1 << (part - 1).bit_length()))
+        buffer = np.zeros(chunk, np.uint8)
+        if data is not None:
+            buffer[:part] = np.frombuffer(data, np.uint8, count=part, offset=offset)
+        got = multihost_utils.broadcast_one_to_all(buffer)
+        out += np.asarray(got, np.uint8)[:part].tobytes()
+        offset += part
+    return bytes(out)
+
+
+def _meta(array: np.ndarray) -> list:
+    return [list(array.shape), array.dtype.name]
+
+
+def _dtype(name: str):
+    if name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
+
+
+def pack(arrays: list[np.ndarray]) -> bytes:
+    return b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
+
+
+def unpack(data: bytes, metas: list) -> list[np.ndarray]:
+    out, offset = [], 0
+    for shape, dtype in metas:
+        dt = _dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        out.append(np.frombuffer(data, dt, count=count, offset=offset).reshape(shape).copy())
+        offset += count * dt.itemsize
+    return out
+
+
+def _size(metas: list) -> int:
+    return sum(int(np.prod(shape, dtype=np.int64)) * _dtype(dtype).itemsize for shape, dtype in metas)
+
+
+# --- the same steps on every process ---------------------------------------------------------------------------------
+def _place(runtime, mesh, state: dict, names: list[str], metas: list, specs: list, values: list | None) -> None:
+    """Broadcast the named tensors (the first process passes ``values``) and place each process's shards."""
+    data = pack(values) if values is not None else None
+    arrays = unpack(broadcast_bytes(data, _size(metas)), metas)
+    for name, array, spec in zip(names, arrays, specs):
+        state[name] = runtime.put(array, runtime.sharding(mesh, tuple(spec)))
+
+
+def _run(runtime, mesh, state: dict, executable, metas: list, specs: list, values: list | None):
+    """Broadcast the inputs, run the program, gather its result on every process (the first returns it)."""
+    data = pack(values) if values is not None else None
+    arrays = unpack(broadcast_bytes(data, _size(metas)), metas)
+    inputs = [runtime.put(a, runtime.sharding(mesh, tuple(s))) for a, s in zip(arrays, specs)]
+    out, _ = executable(state, inputs)
+    return runtime.to_cpu(out)
+
+
+def _mesh(runtime, sizes: list[int]):
+    from ..engine.sharding import MeshSpec
+
+    return runtime.make_mesh(MeshSpec(*sizes))
+
+
+def compile_exported(blob: bytes):
+    """The program a serialized ``jax.export`` holds, as a jitted function of (weights, inputs)."""
+    import jax
+
+    exported = jax.export.deserialize(bytearray(blob))
+    return jax.jit(exported.call)
+
+
+# --- the first process -----------------------------------------------------------------------------------------------
+class DriverBridge:
+    """A bridged module's device work replayed on the slice's workers (the first process's side)."""
+
+    def __init__(self, slice_, runtime, label: str):
+        self.slice, self.runtime, self.label = slice_, runtime, label
+        self.uid = next(_ids)
+
+    def _call(self, method: str, args: tuple, run):
+        return self.slice.call("bridge", None, method, args, {}, lambda a, k: run(), cls_name=f"bridge {self.label}")
+
+    def place(self, mesh, state: dict, named: list[tuple[str, np.ndarray, tuple]]) -> None:
+        names = [n for n, _, _ in named]
+        metas = [_meta(v) for _, v, _ in named]
+        specs = [list(s) for _, _, s in named]
+        values = [v for _, v, _ in named]
+        sizes = [mesh.shape[a] for a in ("dp", "sp", "tp")]
+        self._call("place", (self.uid, sizes, names, metas, specs),
+                   lambda: _place(self.runtime, mesh, state, names, metas, specs, values))
+
+    def add_program(self, number: int, blob: bytes) -> None:
+        self._call("program", (self.uid, number, blob), lambda: None)
+
+    def run(self, mesh, state: dict, executable, number: int, inputs: list[np.ndarray], specs: list[tuple]):
+        metas = [_meta(a) for a in inputs]
+        specs = [list(s) for s in specs]
+        return self._call("run", (self.uid, number, metas, specs),
+                          lambda: _run(self.runtime, mesh, state, executable, metas, specs, inputs))
+
+    def release(self) -> None:
+        self._call("release", (self.uid,), lambda: None)
+
+
+def export_program(fn, example: tuple) -> tuple[bytes, Any]:
+    """``fn`` traced once on ``example`` (shape structs with shardings), serialized, and the jitted program the
+    first process runs (compiled from the same serialized module as the workers')."""
+    import jax
+
+    from ..engine.runtime import tracing
+
+    with tracing():
+        exported = jax.export.export(jax.jit(fn))(*example)
+    blob = exported.serialize()
+    return bytes(blob), compile_exported(blob)
+
+
+# --- a worker --------------------------------------------------------------------------------------------------------
+@dataclass
+class _WorkerModule:
+    mesh: Any = None
+    state: dict = field(default_factory=dict)
+    programs: dict = field(default_factory=dict)
+
+
+_modules: dict[int, _WorkerModule] = {}
+_lock = threading.Lock()
+
+
+def worker_call(runtime, method: str, args: list):
+    """What a worker runs for one ``bridge`` call of the first process."""
+    uid = args[0]
+    with _lock:
+        module = _modules.setdefault(uid, _WorkerModule())
+    if method == "place":
+        _, sizes, names, metas, specs = args
+        module.mesh = module.mesh or _mesh(runtime, sizes)
+        _place(runtime, module.mesh, module.state, names, metas, specs, None)
+    elif method == "program":
+        _, number, blob = args
+        module.programs[number] = compile_exported(blob)
+    elif method == "run":
+        _, number, metas, specs = args
+        _run(runtime, module.mesh, module.state, module.programs[number], metas, specs, None)
+    elif method == "release":
+        module.state.clear()
+    else:
+        raise ValueError(f"unknown bridge call {method!r}")
+    return None
