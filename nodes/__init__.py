@@ -2,6 +2,7 @@
 the native bridge's (``bridge.py``: ComfyUI's own models on the runtime). Importing them needs neither ComfyUI nor
 a device."""
 
+import tpu_runtime.multihost  # noqa: F401 - installs the slice joiner: ComfyUI may be a slice's first process
 from tpu_runtime.families import registry
 
 from . import bridge

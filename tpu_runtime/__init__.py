@@ -5,7 +5,8 @@ The package is laid out by role:
 - ``engine/``: what every model family shares: the runtime (backend, devices, meshes, compiled programs),
   sharding, attention, weight loading, schedulers, LoRA, stage values, streamed VAE programs;
 - ``families/``: one package per model family (``cogvideox/``, ``wan/``) and the registry that picks one;
-- ``multihost/``: slices of several hosts (transport, message codec, worker, and the hook the engine calls);
+- ``multihost/``: slices of several hosts (transport, message codec, worker; the engine's side is
+  ``engine/replay.py``);
 - ``tools/``: the command line (``generate``, ``demo``, ``bench``, ``plan``, ``worker``), stage files, video.
 
 Importing this package is cheap and touches no device; the runtime starts on first use (``get_runtime``).
@@ -19,6 +20,7 @@ __all__ = ["__version__", "get_runtime", "open_model"]
 def __getattr__(name):
     # Lazy: torch, jax and torchax load only when something is used.
     if name == "get_runtime":
+        from . import multihost  # noqa: F401 - installs the slice joiner the runtime calls
         from .engine.runtime import get_runtime
 
         return get_runtime

@@ -20,7 +20,7 @@ placed on the mesh) and its key. The stage methods compile and run them; ``plan`
 for a TPU topology this process cannot run on (a family made with ``target_devices``: weights are never read, only
 their shapes and dtypes).
 
-Construction and the calls named in ``multihost.hooks.REPLAYED`` run on every process of a multi-host slice.
+Construction and the calls named in ``replay.REPLAYED`` run on every process of a multi-host slice.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from typing import Callable
 import torch
 
 from ..errors import InputError, Interrupted, ModelFolderError, StageFileError
-from ..multihost.hooks import REPLAYED, replayed_init, replayed_method
 from .attention import AttentionConfig, attention_scope, target_platform
 from .dtypes import DTYPES, jax_dtype
 from .lora import LoraMerger, LoraSpec, name_aliases, read_lora
+from .replay import REPLAYED, replayed_init, replayed_method
 from .runtime import Runtime, compile_stats, get_runtime
 from .sharding import MeshSpec, default_mesh, frame_split_spec, parse_mesh, validate_mesh
 from .stages import ImageConditioning, SampleSettings, StageProgram, StageTimings, TextEmbeddings, VideoLatents

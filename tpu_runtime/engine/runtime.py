@@ -170,7 +170,7 @@ class Runtime:
         warnings.filterwarnings("ignore", message="Explicitly requested dtype (int64|float64)")
 
         # A multi-host slice is joined before anything starts a JAX backend (TPU_VIDEO_MULTIHOST, multihost/).
-        from ..multihost.hooks import join_from_environment
+        from .replay import join_from_environment
 
         self.slice = join_from_environment()
 

@@ -1,11 +1,11 @@
 """Multi-host slices: one process per host, every process running the same programs on one mesh over all chips.
 
-``hooks`` is all the engine imports of this package; importing the package installs the slice joiner the runtime
-calls (``TPU_VIDEO_MULTIHOST=1``). ``transport`` joins and talks to the slice, ``codec`` writes a replayed call's
-arguments as a message, ``worker`` runs the other hosts' loop.
+Importing the package installs the slice joiner the runtime calls (``TPU_VIDEO_MULTIHOST=1``; the engine's side is
+``engine/replay.py``, which never imports this package). ``transport`` joins and talks to the slice, ``codec``
+writes a replayed call's arguments as a message, ``worker`` runs the other hosts' loop.
 """
 
-from .hooks import install_joiner
+from ..engine.replay import install_joiner
 
 
 def _join_from_env():

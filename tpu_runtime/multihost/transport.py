@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 from ..errors import InputError, SliceError
 from .codec import Encoder, stage_value_types
-from .hooks import multihost_requested
+from ..engine.replay import multihost_requested
 
 log = logging.getLogger(__name__)
 

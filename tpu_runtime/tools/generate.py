@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import multihost  # noqa: F401 - installs the slice joiner: a generation runs on a slice where asked
+
 log = logging.getLogger("tpu_runtime")
 
 STAGES = ("all", "encode", "sample", "decode")

@@ -1,10 +1,10 @@
-"""The small hook through which the engine meets the multi-host layer, and all it imports of it.
+"""How a family's calls reach every process of a multi-host slice, seen from the engine.
 
 - ``replayed_init`` / ``replayed_method``: a family's construction and its public stage calls (``REPLAYED``), run
   on every process of a slice when called on its first process. They reach the slice through the model's
   runtime (``runtime.slice``), never through an import.
-- ``join_from_environment``: what the runtime calls before JAX starts a backend. The package's ``__init__``
-  installs the joiner (``transport.join``, imported when a slice is joined), so importing this module is enough.
+- ``join_from_environment``: what the runtime calls before JAX starts a backend. The multi-host layer
+  (``tpu_runtime.multihost``) installs the joiner when it is imported; the engine never imports it.
 """
 
 from __future__ import annotations
