@@ -139,9 +139,10 @@ def build_models(comfy: Path, python: str, families: list[str]) -> None:
                 "build_tiny_lora(d / 'transformer', Path(sys.argv[2]) / 'loras' / sys.argv[3])")
         subprocess.run([python, "-c", code, str(ROOT), str(models), LTX2["lora"]], check=True)
     code = (
-        "import sys, shutil; from pathlib import Path; sys.path.insert(0, sys.argv[1]);"
+        "import sys, shutil; from pathlib import Path; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/tests'];"
         "from tpu_runtime.families.cogvideox.tiny import build_tiny_cogvideox;"
-        "from tpu_runtime.families.wan.tiny import build_tiny_wan, export_comfy_files;"
+        "from tpu_runtime.families.wan.tiny import build_tiny_wan;"
+        "from comfy_files import export_wan_files as export_comfy_files;"
         "m = Path(sys.argv[2]); cog = m / 'diffusers' / 'CogVideoX-2b-tiny';"
         "cog.exists() or build_tiny_cogvideox(cog, '2b');"
         "wan = m / 'wan_tiny_build';"

@@ -93,7 +93,7 @@ def test_wan_demo_and_single_files_from_the_command_line(tiny_wan, tmp_path):
     import numpy as np
 
     from tpu_runtime.tools import stage_files
-    from tpu_runtime.families.wan.tiny import export_comfy_files
+    from comfy_files import export_wan_files as export_comfy_files
 
     out = tmp_path / "demo"
     proc = subprocess.run([sys.executable, "-m", "tpu_runtime", "demo", "--generation", "wan2.2-a14b",

@@ -10,7 +10,8 @@ import pytest
 from conftest import NEGATIVE, PROMPT
 
 from tpu_runtime.engine.runtime import compile_stats
-from tpu_runtime.families.wan.tiny import build_tiny_lora, export_comfy_files
+from comfy_files import export_wan_files as export_comfy_files
+from tpu_runtime.families.wan.tiny import build_tiny_lora
 from tpu_runtime.tools import stage_files
 from tpu_runtime.tools.cli import main
 

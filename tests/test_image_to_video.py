@@ -14,7 +14,7 @@ from tpu_runtime.tools import stage_files
 from tpu_runtime.errors import InputError
 from tpu_runtime.tools.generate import GenerateRequest, generate
 from tpu_runtime.engine.runtime import compile_stats
-from tpu_runtime.families.wan.tiny import export_comfy_files
+from comfy_files import export_wan_files as export_comfy_files
 
 TOL = 1e-4
 

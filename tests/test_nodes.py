@@ -285,7 +285,7 @@ def test_wan_files_loader_lists_comfy_folders_and_matches_diffusers(pack, tiny_w
     """Two-expert Wan 2.2 from ComfyUI's own folders (scaled-fp8 experts), with a second guidance."""
     from oracle import wan_frames
 
-    from tpu_runtime.families.wan.tiny import export_comfy_files
+    from comfy_files import export_wan_files as export_comfy_files
 
     models, _ = fake_comfy_folders
     files = export_comfy_files(tiny_wan["2.2-A14B"], models / "staging", "fp8_scaled")

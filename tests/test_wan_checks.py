@@ -14,7 +14,7 @@ from tpu_runtime.errors import InputError, ModelFolderError
 from tpu_runtime.engine.stages import SampleSettings
 from tpu_runtime.tools.generate import GenerateRequest, generate, open_model
 from tpu_runtime.engine.runtime import compile_stats
-from tpu_runtime.families.wan.tiny import export_comfy_files
+from comfy_files import export_wan_files as export_comfy_files
 from tpu_runtime.families.wan.model import WanFamily
 
 H, W, F = WAN_SIZE
@@ -188,7 +188,7 @@ def test_vae_names_agree_with_diffusers_converter_on_the_released_2_1_layout():
     from diffusers import AutoencoderKLWan
     from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 
-    from tpu_runtime.families.wan.tiny import wan_vae_to_original
+    from comfy_files import wan_vae_to_original
     with torch.device("meta"):
         vae = AutoencoderKLWan()  # the released 2.1 configuration
     ours_original = {wan_vae_to_original(k, 2, False): k for k in vae.state_dict()}

@@ -9,7 +9,7 @@ from oracle import wan_frames
 
 from tpu_runtime.tools import stage_files
 from tpu_runtime.tools.generate import GenerateRequest, generate
-from tpu_runtime.families.wan.tiny import export_comfy_files
+from comfy_files import export_wan_files as export_comfy_files
 
 TOL = 1e-4
 H, W, F = WAN_SIZE

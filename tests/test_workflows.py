@@ -11,7 +11,8 @@ import torch
 from conftest import I2V_SIZES, LTX2_SIZE, ROOT, SIZES
 
 from tpu_runtime.families.ltx2.tiny import build_tiny_lora as build_ltx2_lora
-from tpu_runtime.families.wan.tiny import build_tiny_lora, export_comfy_files
+from comfy_files import export_wan_files as export_comfy_files
+from tpu_runtime.families.wan.tiny import build_tiny_lora
 from tpu_runtime.tools.video import read_mp4, write_mp4, write_wav
 
 WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
