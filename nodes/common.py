@@ -32,8 +32,8 @@ LAYOUT_INPUTS = {
                      "and computes a slice); replicated decodes the whole video on every chip; auto: width on "
                      "more than one chip"}),
     "fsdp": ("BOOLEAN", {"default": False, "tooltip": "also split every weight matrix over the mesh's dp axis "
-             "(gathered before use): less memory per chip for a large model on a small slice (Wan 2.2 A14B on a "
-             "v6e-4), more communication; needs dp of 2 or more"}),
+             "(gathered before use): less memory per chip for a large model on a small slice, more "
+             "communication; needs dp of 2 or more"}),
 }
 
 
@@ -120,6 +120,44 @@ def image_cond_input(image_type: str) -> dict:
     """The sampler's optional input from the image encode node."""
     return {"image_cond": (image_type, {"tooltip": "image-to-video: the Image Encode node's output (encoded at "
                                         "this sampler's width, height and frames)"})}
+
+
+def setting_input(setting) -> tuple:
+    """A family's declared setting (``engine.settings.Setting``) as a node input: its widget, its default (or the
+    value that means "unset", where the model decides), its range and its help as the tooltip."""
+    unset = setting.default is None and setting.node_unset is not None
+    tooltip = setting.help
+    if unset:
+        tooltip += f"; {repr(setting.node_unset) if setting.node_unset != '' else 'empty'}: {setting.default_text()}"
+    default = setting.node_unset if setting.default is None else setting.default
+    if setting.kind is bool:
+        return "BOOLEAN", {"default": bool(default), "tooltip": tooltip}
+    if setting.choices:
+        return list(setting.choices), {"default": default if default is not None else setting.choices[0],
+                                       "tooltip": tooltip}
+    if setting.kind is str:
+        return "STRING", {"default": default or "", "tooltip": tooltip}
+    low = setting.node_unset if unset else setting.minimum
+    if low is None and setting.above is not None:  # the first value a widget step above the bound
+        low = setting.above + (setting.node_step or 0)
+    options = {"default": default, "min": low, "max": setting.node_max if setting.node_max is not None else
+               setting.below, "step": setting.node_step, "tooltip": tooltip}
+    return ("INT" if setting.kind is int else "FLOAT"), {k: v for k, v in options.items() if v is not None}
+
+
+def setting_inputs(spec, stage: str, section: str) -> dict:
+    """The node inputs of ``spec``'s settings of ``stage`` in ``section`` ("required" or "optional")."""
+    return {s.name: setting_input(s) for s in spec.settings_of(stage) if s.node == section}
+
+
+def setting_values(spec, stage: str, inputs: dict) -> dict:
+    """The values of ``spec``'s settings of ``stage`` among a node's ``inputs``, "unset" values as None."""
+    out = {}
+    for setting in spec.settings_of(stage):
+        if setting.node is not None and setting.name in inputs:
+            value = inputs[setting.name]
+            out[setting.name] = None if setting.node_unset is not None and value == setting.node_unset else value
+    return out
 
 
 def sampler_inputs(model_type: str, embeds_type: str, width: int, height: int, frames: int, frames_tip: str,

@@ -22,6 +22,8 @@ from .common import (
     load_model,
     run_sampler,
     sampler_inputs,
+    setting_inputs,
+    setting_values,
 )
 
 NONE = "none"
@@ -70,7 +72,7 @@ class Loader(_Node):
         return {
             "required": {"model": (names, {"tooltip": cls.SPEC.nodes.loader_tooltip}), "dtype": DTYPE_INPUT},
             "optional": {"model_path": ("STRING", {"default": "", "tooltip": "a folder anywhere (overrides model)"}),
-                         **DEVICE_INPUTS, **LAYOUT_INPUTS, **cls.SPEC.nodes.loader_optional},
+                         **DEVICE_INPUTS, **LAYOUT_INPUTS, **setting_inputs(cls.SPEC, "open", "optional")},
         }
 
     def load(self, model: str, dtype: str, model_path: str = "", mesh: str = "auto", attention: str = "auto",
@@ -81,7 +83,7 @@ class Loader(_Node):
 
         from .model_folders import folder_path
 
-        unknown = sorted(set(family_options) - set(self.SPEC.nodes.loader_optional))
+        unknown = sorted(set(family_options) - set(setting_inputs(self.SPEC, "open", "optional")))
         if unknown:
             raise InputError(f"{type(self).__name__} has no input {', '.join(unknown)}")
         folder = str(resolve_model_path(model_path.strip() or str(folder_path(self.SPEC, model))))
@@ -118,6 +120,8 @@ class ModelFilesLoader(_Node):
                 optional.update(DEVICE_INPUTS)
             elif entry == "@layout":
                 optional.update(LAYOUT_INPUTS)
+            elif cls._roles()[entry[1]].directory:  # a folder: its path
+                optional[entry[0]] = ("STRING", {"default": "", "tooltip": entry[2]})
             else:
                 name, role, tip = entry
                 optional[name] = (names(role, optional=True), {"default": NONE, "tooltip": tip})
@@ -139,8 +143,10 @@ class ModelFilesLoader(_Node):
         for entry in spec.required + tuple(e for e in spec.optional if isinstance(e, tuple)):
             name, role, _ = entry
             choice = values.get(name, NONE)
+            if isinstance(choice, str):
+                choice = choice.strip()
             if choice not in (NONE, "", None):
-                files[role] = file_path(roles[role].folder, choice)
+                files[role] = choice if roles[role].directory else file_path(roles[role].folder, choice)
         options = _device_options(values["dtype"], values.get("mesh", "auto"), values.get("attention", "auto"),
                                   values.get("vae_sharding", "auto"), values.get("fsdp", False))
         key = (f"{self.SPEC.name}-files", tuple(sorted((k, str(v)) for k, v in files.items())), *options.values())
@@ -184,7 +190,7 @@ class ImageEncode(_Node):
                 "frames": ("INT", {"default": frames, "min": 1, "max": 1024, "step": 1,
                                    "tooltip": cls.SPEC.nodes.image_frames_tip}),
             },
-            "optional": {"last_image": ("IMAGE", {"tooltip": "Wan2.1-FLF2V only: the last frame"})},
+            "optional": {"last_image": ("IMAGE", {"tooltip": "first-and-last-frame models only: the last frame"})},
         }
 
     def encode(self, model, image, width, height, frames, last_image=None):
@@ -236,7 +242,7 @@ class LoRA(_Node):
             raise InputError(f"expert {expert!r} must be one of {EXPERTS}")
         if expert == "low noise" and not family.two_experts:
             raise InputError(f"{family.label} has one transformer: set expert to 'both' (the low-noise expert is a "
-                             "Wan 2.2 A14B part)")
+                             "two-expert model's)")
         spec = LoraSpec(str(file_path("loras", lora_name)), float(strength))
         high = expert in ("both", "high noise")
         low = family.two_experts and expert in ("both", "low noise")
@@ -254,7 +260,7 @@ class StepCache(_Node):
     RETURN_NAMES = ("model",)
     FUNCTION = "apply"
     DESCRIPTION = ("Step caching for the sampler after it: magcache skips steps fixed in advance by the model's "
-                   "calibrated ratios (shipped for the released Wan models; give others in mag_ratios, or calibrate "
+                   "calibrated ratios (published for some released models; give others in mag_ratios, or calibrate "
                    "them); first-block skips a step when the first block's output barely changed. Each method's "
                    "programs compile once: a new threshold or ratios compile nothing.")
 
@@ -304,27 +310,28 @@ class Sampler(_Node):
     @classmethod
     def INPUT_TYPES(cls):
         model, embeds, image = cls.types()
-        s = cls.SPEC.nodes.sampler
-        inputs = sampler_inputs(model, embeds, s.width, s.height, s.frames, s.frames_tip, s.guidance,
-                                list(s.schedulers), s.steps)
-        optional = {**s.optional, **image_cond_input(image)}
-        if s.refine:
+        spec, s = cls.SPEC, cls.SPEC.nodes.sampler
+        inputs = sampler_inputs(model, embeds, s.width, s.height, s.frames, s.frames_tip, spec.sampling.guidance,
+                                list(spec.sampling.schedulers), spec.sampling.steps)
+        optional = {**setting_inputs(spec, "sample", "optional"), **image_cond_input(image)}
+        if spec.sampling.refine:
             optional.update(REFINE_INPUTS)
-        return {"required": {**inputs, **s.required}, "optional": optional}
+        return {"required": {**inputs, **setting_inputs(spec, "sample", "required")}, "optional": optional}
 
     def sample(self, model, embeds, width, height, frames, steps, guidance, seed, scheduler, image_cond=None,
                samples=None, noise_scale=-1.0, **extra):
         from tpu_runtime.engine.stages import SampleSettings
 
         refine = {} if samples is None else {"latents": latent_value(base_model(model), samples)}
+        options = setting_values(self.SPEC, "sample", extra)
+        if samples is not None and noise_scale >= 0:
+            options["noise_scale"] = noise_scale
         settings = SampleSettings(height, width, frames, steps, guidance, seed,
-                                  None if scheduler == "model default" else scheduler,
-                                  **self.SPEC.nodes.sampler.settings(extra),
-                                  **({"noise_scale": noise_scale} if samples is not None and noise_scale >= 0 else {}))
+                                  None if scheduler == "model default" else scheduler, options=options)
         return run_sampler(model, embeds, settings, image_cond, **refine)
 
 
-# The sampler's inputs for refining given latents (two-stage generation: the Upsample node's output).
+# The sampler's inputs for refining given latents (a recipe's later sampling: the Upsample node's output).
 REFINE_INPUTS = {
     "samples": ("LATENT", {"tooltip": "refine these latents (the Upsample node's) instead of starting from noise: "
                            "set width and height to their size and sigmas to stage2"}),
@@ -365,7 +372,8 @@ class Decode(_Node):
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": (cls.types()[0],), "samples": ("LATENT",), **cls.SPEC.nodes.decode_inputs}}
+        return {"required": {"model": (cls.types()[0],), "samples": ("LATENT",),
+                             **setting_inputs(cls.SPEC, "decode", "required")}}
 
     def decode(self, model, samples, **options):
         return decode_latent(model, samples, audio=self.SPEC.nodes.audio, **options)

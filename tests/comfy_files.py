@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from tpu_runtime.engine.tiny import fp8_scaled
+from tpu_runtime.families.ltx2.bench import export_comfy_files as export_ltx2_files  # noqa: F401 (the bench's too)
 from tpu_runtime.families.wan.files import wan_transformer_to_original
 
 

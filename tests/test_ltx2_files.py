@@ -10,7 +10,7 @@ import torch
 from tpu_runtime.engine.stages import SampleSettings
 from tpu_runtime.errors import InputError, ModelFolderError
 from tpu_runtime.families import registry
-from tpu_runtime.families.ltx2.tiny import export_comfy_files
+from comfy_files import export_ltx2_files as export_comfy_files
 
 SIZE = dict(height=64, width=96, num_frames=9)
 
@@ -120,7 +120,7 @@ def test_files_loader_node(ltx2_files, tmp_path, monkeypatch):
     assert inputs["required"]["text_encoder"][0] == [files["text_encoder"].name]
     assert files["latent_upscaler"].name in inputs["optional"]["latent_upscaler"][0]
     (model,) = node().load(files["checkpoint"].name, files["text_encoder"].name, "float32",
-                           latent_upscaler=files["latent_upscaler"].name)
+                           latent_upscaler=files["latent_upscaler"].name, config=str(files["config"]))
     assert model.FAMILY == "ltx2" and model.upsampler_path.name == files["latent_upscaler"].name
     assert model.configs == registry.open_model(files=files, dtype="float32").configs
 

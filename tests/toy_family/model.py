@@ -8,13 +8,16 @@ from pathlib import Path
 
 import torch
 
-from tpu_runtime.engine.family import ComponentSource, ModelFamily
+from tpu_runtime.engine.components import ComponentSource
+from tpu_runtime.engine.family import ModelFamily
 from tpu_runtime.engine.folders import inspect_folder, read_config, read_model_index
 from tpu_runtime.engine.schedulers import linear_plan
-from tpu_runtime.engine.stages import SampleSettings, StageProgram, VideoLatents, config_signature
-from tpu_runtime.engine.streaming import run_streamed, to_frames
+from tpu_runtime.engine.stages import SampleSettings, SamplingRun, StageProgram, VideoLatents, config_signature
+from tpu_runtime.engine.streaming import to_frames
 from tpu_runtime.engine.validation import frame_problem, raise_problems, size_problems
 from tpu_runtime.errors import InputError, ModelFolderError
+
+from . import SPEC
 
 TEXT_LEN, SCALE, T_SCALE = 8, 4, 4
 
@@ -73,9 +76,7 @@ MODULES = {"text_encoder": ToyTextEncoder, "transformer": ToyDenoiser, "vae": To
 
 
 class ToyFamily(ModelFamily):
-    FAMILY = "toy"
-    FAMILY_NAME = "Toy"
-    DEFAULT_GUIDANCE = 1.0
+    SPEC = SPEC
     RULES = {"transformer": ((r"blocks\.\d+\.weight$", ("tp", None)), (r"blocks\.\d+\.bias$", ("tp",)))}
 
     def __init__(self, path, dtype="auto", runtime=None, mesh=None, attention=None, fsdp=False, vae_sharding="auto",
@@ -121,10 +122,9 @@ class ToyFamily(ModelFamily):
     def validate_settings(self, s: SampleSettings):
         if s.guidance is not None and s.guidance > 1:
             raise InputError(f"guidance={s.guidance}: the toy has no CFG: leave it at 1")
-        self.lora_targets(s)
 
     def tokenize(self, texts):
-        tokenizer = self._component("tokenizer")
+        tokenizer = self.component("tokenizer")
         ids = torch.zeros(len(texts), TEXT_LEN, dtype=torch.int64)
         for row, text in enumerate(texts):
             found = tokenizer(text)
@@ -140,30 +140,36 @@ class ToyFamily(ModelFamily):
 
     # --- the stage programs -----------------------------------------------------------------------------------
     def encode_program(self):
-        self._component("text_encoder")
-        fn = self.runtime.module_function(self._parts["text_encoder"])
-        return StageProgram("encode", fn, (self._states["text_encoder"], self.arg((2, TEXT_LEN), torch.int32)),
+        self.component("text_encoder")
+        fn = self.runtime.module_function(self.component("text_encoder"))
+        return StageProgram("encode", fn, (self.state("text_encoder"), self.arg((2, TEXT_LEN), torch.int32)),
                             (TEXT_LEN,), "toy text encoder", self.traced, ("text_encoder",))
 
     def sample_program(self, height, width, num_frames, plan):
         import jax.numpy as jnp
 
-        self._component("transformer")
-        denoise = self.runtime.module_function(self._parts["transformer"])
+        self.component("transformer")
+        denoise = self.runtime.module_function(self.component("transformer"))
         shape = self.latent_shape(height, width, num_frames)
 
         def step_fn(state, x, text, timestep, matrix):
             out = denoise(state, x.astype(self.model_dtype()), timestep, text).astype(jnp.float32)
             return matrix[0, 0] * x + matrix[0, 1] * out
 
-        example = (self._states["transformer"], self.arg(shape, torch.float32), self.arg(self.text_shape(), self.dtype),
+        example = (self.state("transformer"), self.arg(shape, torch.float32), self.arg(self.text_shape(), self.dtype),
                    self.arg((1,), torch.float32), self.arg(plan.matrices[0].shape, torch.float32))
         return StageProgram("sample", step_fn, example, (shape,), "toy sampler step", self.traced, ("transformer",))
 
+    def sharpen_programs(self, z_shape):
+        def sharpen_fn(state, z):  # a stage program takes its weights first: this one has none
+            return z * 1.5
+
+        return [StageProgram("sharpen", sharpen_fn, ({}, self.arg(z_shape, torch.float32)), (tuple(z_shape),),
+                             "toy sharpen", self.traced, ())]
+
     def decode_programs(self, z_shape):
-        self._component("vae")
-        fn = self.runtime.module_function(self._parts["vae"])
-        example = (self._states["vae"], self.arg(z_shape, torch.float32, self._vae_input_spec(z_shape)))
+        fn = self.runtime.module_function(self.component("vae"))
+        example = (self.state("vae"), self.arg(z_shape, torch.float32, self.vae_input_spec(z_shape)))
         return [StageProgram("decode", lambda state, z: to_frames(fn(state, z.astype(self.model_dtype()))), example,
                              (tuple(z_shape),), "toy VAE decode", self.traced, ("vae",))]
 
@@ -173,36 +179,43 @@ class ToyFamily(ModelFamily):
         return linear_plan(FlowMatchEulerDiscreteScheduler(shift=1.0), steps)
 
     def plan_programs(self, s: SampleSettings):
-        self.validate(s.height, s.width, s.num_frames)
-        self.validate_settings(s)
+        self.check_settings(s)
+        z_shape = self.latent_shape(s.height, s.width, s.num_frames)
         return [self.encode_program(), self.sample_program(s.height, s.width, s.num_frames, self._plan(s.steps)),
-                *self.decode_programs(self.latent_shape(s.height, s.width, s.num_frames))]
+                *self.sharpen_programs(z_shape), *self.decode_programs(z_shape)]
 
     # --- the stages -------------------------------------------------------------------------------------------
-    def sample(self, embeddings, settings, on_step=None, should_stop=None, image=None):
-        s = settings
-        self.check_sample(embeddings, s, image, cfg=False)
+    def sampling_run(self, embeddings, s, cfg, image=None, latents=None):
         plan = self._plan(s.steps)
-        program = self.sample_program(s.height, s.width, s.num_frames, plan)
-        executable = self.compile_stage(program)
         shape = self.latent_shape(s.height, s.width, s.num_frames)
-        noise = torch.randn(shape, generator=torch.Generator().manual_seed(int(s.seed))) * self.options.noise_scale
-        carry = {"x": self.put(noise)}
+        noise = torch.randn(shape, generator=torch.Generator().manual_seed(int(s.seed)))
+        noise = noise * self.options.noise_scale * self.option(s, "toy_noise")
         text = self.put(embeddings.prompt_embeds.to(self.dtype))
 
-        def step(i):
-            carry["x"] = executable(program.example[0], carry["x"], text,
-                                    self.put(torch.tensor([float(plan.timesteps[i])])),
-                                    self.put(torch.from_numpy(plan.matrices[i])))
-            return carry["x"]
+        def arguments(i, carry):
+            return (carry[0], text, self.put(torch.tensor([float(plan.timesteps[i])])),
+                    self.put(torch.from_numpy(plan.matrices[i])))
 
-        self.run_steps(plan.steps, step, on_step, should_stop)
-        return VideoLatents(self.runtime.to_cpu(carry["x"]), s.height, s.width, s.num_frames, self.signature)
+        def finish(carry):
+            return VideoLatents(self.runtime.to_cpu(carry[0]), s.height, s.width, s.num_frames, self.signature)
 
-    def decode(self, latents, tiling=False, group_norm="stock"):
+        program = self.sample_program(s.height, s.width, s.num_frames, plan)
+        return SamplingRun(program, ["transformer"] * plan.steps, (self.put(noise),), arguments, finish)
+
+    def sharpen(self, latents):
+        """The toy's own stage: the latents made sharper."""
         self.check_made_here(latents)
         z = latents.latents
-        return torch.cat(run_streamed(self, self.decode_programs(tuple(z.shape)), [self.put(z.float())], ()))
+        (out,) = self.run_stage(self.sharpen_programs(tuple(z.shape)), [self.put(z.float())])
+        return VideoLatents(out, latents.height, latents.width, latents.num_frames, self.signature)
+
+    def latent_channels(self):
+        return self.transformer_config["channels"]
+
+
+def sharpened_settings(family, settings):
+    """The sharpened recipe samples once, with the settings asked."""
+    return (settings,)
 
 
 # --- the released models (plan) and the tiny builder ---------------------------------------------------------------

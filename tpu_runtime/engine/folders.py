@@ -134,3 +134,56 @@ def inspect_family_folder(folder: Path, spec, *, required: tuple[str, ...], inde
         raise ModelFolderError(f"{folder} holds a {cls} model; {spec.unsupported}")
     inspect_folder(folder, index, required=required, weights=weights)
     return index
+
+
+class FolderOrFiles:
+    """A model read from a diffusers folder (``path``) or from ComfyUI's single files (``files``: a dataclass,
+    ``FILES``, of one path per file role of the family's declaration; its first field names the model). A part of
+    the families that load both: what they read, and how messages and ``generation_config.json`` name it."""
+
+    FILES: type | None = None
+
+    def _folder_or_files(self, path, files) -> None:
+        """Set ``path`` and ``files`` (one of the two given; a dict of files becomes ``FILES``), every file given
+        checked to exist."""
+        import dataclasses
+
+        from ..errors import InputError
+
+        roles = ", ".join(f.name for f in dataclasses.fields(self.FILES))
+        if (path is None) == (files is None):
+            raise InputError(f"give either a {self.FAMILY_NAME} diffusers folder or its single files ({roles}), "
+                             "not both")
+        if isinstance(files, dict):
+            unknown = sorted(set(files) - {f.name for f in dataclasses.fields(self.FILES)})
+            if unknown:
+                raise InputError(f"{self.FAMILY_NAME} single files take {roles}, not {', '.join(unknown)}")
+            files = self.FILES(**{k: Path(v).expanduser() for k, v in files.items() if v})
+        self.files = files
+        self.path = Path(path).expanduser() if path is not None else None
+        for role in self.SPEC.file_roles if files is not None else ():
+            given = getattr(files, role.name, None)
+            if given is not None and not Path(given).exists():
+                raise ModelFolderError(f"{role.name.replace('_', ' ')} file {given} does not exist: check the path "
+                                       f"(ComfyUI keeps it in models/{role.folder})")
+
+    @property
+    def label(self) -> str:
+        """The model's name in messages: its folder's, or its first file's."""
+        import dataclasses
+
+        if self.path is not None:
+            return self.path.name
+        return Path(getattr(self.files, dataclasses.fields(self.files)[0].name)).stem
+
+    def file_paths(self) -> list[Path]:
+        """The single files given (and folders given with them)."""
+        return [Path(p) for p in vars(self.files).values() if p]
+
+    def source_paths(self) -> list[Path]:
+        return [self.path] if self.path is not None else self.file_paths()
+
+    def describe_source(self) -> "str | dict":
+        """What the model was read from, for generation_config.json."""
+        return str(self.path) if self.path is not None else {k: str(v) for k, v in vars(self.files).items() if v}
+

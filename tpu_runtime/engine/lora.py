@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -35,6 +34,8 @@ import numpy as np
 import torch
 
 from ..errors import InputError
+from .catalogue import lora_owner
+from .replay import replayed_method
 
 log = logging.getLogger(__name__)
 
@@ -120,21 +121,6 @@ def _split_key(key: str) -> tuple[str, str] | None:
     return None
 
 
-def _guess_family(keys: Sequence[str]) -> str:
-    text = " ".join(keys[:200])
-    if re.search(r"(audio_attn\d|audio_ff|audio_to_video_attn|patchify_proj)", text):
-        return "LTX-2"
-    if "transformer_blocks" in text:
-        return "CogVideoX (or another diffusers DiT)"
-    if re.search(r"blocks[._]\d+[._](self_attn|cross_attn|attn1|attn2|ffn)", text):
-        return "Wan"
-    if "double_blocks" in text or "single_blocks" in text:
-        return "Flux or HunyuanVideo"
-    if "down_blocks" in text or "input_blocks" in text or "lora_te" in text:
-        return "Stable Diffusion"
-    return "an unknown model"
-
-
 def read_lora(path: str | Path, params: dict[str, tuple[int, ...]], aliases: dict[str, str],
               model: str, family: str) -> LoraFile:
     """Read a LoRA file and match it to the model's weights ``params`` (name -> shape). Refuses a file that is
@@ -209,7 +195,7 @@ def read_lora(path: str | Path, params: dict[str, tuple[int, ...]], aliases: dic
     if not updates:
         keys = list(tensors)
         raise InputError(f"LoRA {path.name} matches none of {model}'s transformer weights ({len(keys)} keys, e.g. "
-                         f"{', '.join(keys[:3])}); it looks like a LoRA for {_guess_family(keys)}, not {family}")
+                         f"{', '.join(keys[:3])}); it looks like a LoRA for {lora_owner(keys)}, not {family}")
     if unmatched:
         log.warning("LoRA %s: %d keys match nothing in %s and are not applied: %s", path.name, len(unmatched),
                     model, ", ".join(sorted(unmatched)))
@@ -293,3 +279,70 @@ class LoraMerger:
 
         executable = self.runtime.compiled(key, merge, *args, describe=f"LoRA merge for {base.shape} weights")
         return executable(*args)
+
+
+class FamilyLoras:
+    """The LoRAs of a model (a part of ``ModelFamily``): which transformer each of the settings' LoRA slots goes
+    to, and merging them on the devices. A family whose LoRA files name parameters otherwise than its modules do
+    maps the names in ``_lora_original_name``."""
+
+    two_experts = False  # a second (low-noise) transformer, Wan 2.2 A14B's: the second LoRA slot is its
+
+    def _init_loras(self) -> None:
+        self._loras: dict[str, LoraMerger] = {}
+
+    def _lora_original_name(self, name: str) -> str:
+        """The name the original checkpoint (and LoRA files trained on it) gives parameter ``name``."""
+        return name
+
+    def lora_targets(self, settings) -> dict[str, tuple]:
+        """Component -> the LoRAs ``settings`` asks for on it."""
+        if settings.loras_2 and not self.two_experts:
+            raise InputError(f"{self.label} has one transformer: the second LoRA slot (--lora-2, lora_2) is for "
+                             "two-expert models (the low-noise expert); give these LoRAs as --lora")
+        targets = {"transformer": tuple(settings.loras)}
+        if self.two_experts:
+            targets["transformer_2"] = tuple(settings.loras_2)
+        for specs in targets.values():
+            for spec in specs:
+                if not isinstance(spec, LoraSpec):
+                    raise InputError(f"a LoRA must be given as a file and a strength, got {spec!r}")
+        return targets
+
+    def lora_merger(self, component: str) -> "LoraMerger | None":
+        """What is merged into ``component``'s weights (None: nothing yet)."""
+        return self._loras.get(component)
+
+    @replayed_method
+    def apply_loras(self, targets: dict[str, tuple], merge: bool = True) -> None:
+        """Merge the LoRAs of ``targets`` (component -> LoraSpecs, as ``lora_targets`` gives) into those weights
+        on the devices, removing any others merged before; nothing happens when they are the ones already merged.
+        Every file is read and checked before any weight changes; ``merge=False`` only reads and checks them."""
+        import time
+
+        import jax
+
+        for component, specs in targets.items():
+            if component not in self._loras and not specs:
+                continue
+            state = self.state(component)
+            start = time.perf_counter()
+            merger = self._loras.setdefault(component, LoraMerger(self.runtime, component))
+            params = {name: tuple(value.shape) for name, value in state.items()}
+            aliases = name_aliases(params, self._lora_original_name)
+            what = f"{self.label} ({component})" if self.two_experts else self.label
+
+            def read(path, params=params, aliases=aliases, what=what):
+                return read_lora(path, params, aliases, what, self.FAMILY_NAME)
+
+            if not merge:
+                for spec in specs:
+                    merger.read(spec, read)
+                continue
+            if merger.apply(state, specs, read):
+                jax.block_until_ready([state[name] for name in merger.touched])
+                seconds = time.perf_counter() - start
+                self.timings.lora += seconds
+                log.info("%s: %s merged in %.2f s (%d weights)", what, ", ".join(
+                    f"{Path(spec.path).name}:{spec.strength:g}" for spec in specs) or "LoRAs removed", seconds,
+                    len(merger.touched))

@@ -1,8 +1,8 @@
 """How a family's calls reach every process of a multi-host slice, seen from the engine.
 
-- ``replayed_init`` / ``replayed_method``: a family's construction and its public stage calls (``REPLAYED``), run
-  on every process of a slice when called on its first process. They reach the slice through the model's
-  runtime (``runtime.slice``), never through an import.
+- ``replayed_init`` / ``replayed_method``: a family's construction and its stage calls (``ModelFamily`` wraps
+  every stage its declaration names), run on every process of a slice when called on its first process. They
+  reach the slice through the model's runtime (``runtime.slice``), never through an import.
 - ``join_from_environment``: what the runtime calls before JAX starts a backend. The multi-host layer
   (``tpu_runtime.multihost``) installs the joiner when it is imported; the engine never imports it.
 """
@@ -12,10 +12,6 @@ from __future__ import annotations
 import functools
 import os
 from typing import Callable
-
-# The stage calls of a family that run programs on the devices: each is replayed on the workers (a new stage
-# method belongs in this list).
-REPLAYED = ("encode", "encode_image", "sample", "upsample", "decode", "decode_audio", "apply_loras", "release")
 
 ENABLE_ENV = "TPU_VIDEO_MULTIHOST"
 _joiner: Callable[[], object] | None = None

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from ..errors import InputError
+from .settings import takes_options
 
 
 @dataclass
@@ -112,9 +113,12 @@ class StepCache:
                 raise InputError(f"mag ratios for {name} must be a list of positive numbers, got {list(ratios)[:8]}")
 
 
+@takes_options
 @dataclass
 class SampleSettings:
-    """One generation's sampling settings. Options a model does not have are refused by its family, not ignored."""
+    """One generation's sampling settings: those every family takes, and in ``options`` the family's own (its
+    declaration's ``Setting``s, by name; read as attributes: ``settings.shift``). An option the model does not
+    take is refused by its family, never ignored; one left out is the model's default."""
 
     height: int
     width: int
@@ -123,31 +127,10 @@ class SampleSettings:
     guidance: float = 6.0
     seed: int = 0
     scheduler: str | None = None  # None: the model's own
-    dynamic_cfg: bool = False  # CogVideoX only
-    shift: float | None = None  # Wan: flow shift; None: the model's scheduler config
-    guidance_2: float | None = None  # Wan 2.2 two experts: guidance of the low-noise expert (default: guidance)
-    boundary: float | None = None  # Wan 2.2 two experts: boundary ratio (default: the model's)
-    loras: tuple = ()  # LoraSpec: merged into the transformer (Wan 2.2 two experts: the high-noise expert)
-    loras_2: tuple = ()  # LoraSpec: Wan 2.2 two experts only: merged into the low-noise expert
+    loras: tuple = ()  # LoraSpec: merged into the transformer (two-expert models: the first expert)
+    loras_2: tuple = ()  # LoraSpec: merged into the second expert, or a recipe's later sampling
     cache: StepCache | None = None  # step caching (engine/stepcache.py); None: every step runs every block
-    # LTX-2 (video with sound); None: the model's default. The guidance terms are diffusers' LTX2Pipeline's.
-    audio_guidance: float | None = None  # CFG scale of the sound (audio_guidance_scale)
-    stg_scale: float | None = None  # spatio-temporal guidance, video and sound (stg_scale, audio_stg_scale)
-    stg_blocks: tuple[int, ...] | None = None  # the blocks STG perturbs (spatio_temporal_guidance_blocks)
-    modality_scale: float | None = None  # modality-isolation guidance, video and sound
-    guidance_rescale: float | None = None  # rescale of the guided prediction, video and sound
-    frame_rate: float | None = None  # frames per second the video is made for (enters the positions)
-    sigmas: str | None = None  # the sigma schedule: None (the model's), "distilled", "stage2" (the refine stage)
-    noise_scale: float | None = None  # sampling from given latents: how much fresh noise (default: the first sigma)
-
-
-# Settings only some families read: the family whose models read each, for messages. A family lists the ones it
-# reads in ``ModelFamily.OWN_SETTINGS``; any other given a value is refused before anything runs.
-FAMILY_SETTINGS = {
-    "dynamic_cfg": "CogVideoX", "shift": "Wan", "guidance_2": "Wan 2.2 A14B", "boundary": "Wan 2.2 A14B",
-    "audio_guidance": "LTX-2", "stg_scale": "LTX-2", "stg_blocks": "LTX-2", "modality_scale": "LTX-2",
-    "guidance_rescale": "LTX-2", "frame_rate": "LTX-2", "sigmas": "LTX-2", "noise_scale": "LTX-2",
-}
+    options: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -170,6 +153,21 @@ class StageProgram:
     @property
     def name(self) -> str:
         return f"{self.stage}_{self.part}" if self.part else self.stage
+
+
+@dataclass
+class SamplingRun:
+    """One sampling run as a family sets it up (``ModelFamily.sampling_run``); the step loop is
+    ``ModelFamily.sample``'s. ``program``: the step program; ``experts``: the transformer each step uses (whose
+    weights it is passed); ``carry``: the device values a step returns and the next takes back (the latents
+    first); ``arguments(i, carry)``: step ``i``'s inputs after the weights; ``finish(carry)``: the latents on the
+    host after the last step."""
+
+    program: StageProgram
+    experts: list[str]
+    carry: tuple
+    arguments: Callable[[int, tuple], tuple]
+    finish: Callable[[tuple], VideoLatents]
 
 
 @dataclass

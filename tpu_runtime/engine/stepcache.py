@@ -253,7 +253,7 @@ def cached_program(family, program, mode: str, spec: BlockSpec, contexts: str, c
 
 
     env = family.runtime.env
-    module = family._parts[program.components[0]]
+    module = family.component(program.components[0])
 
     def fn(state, *args):
         *args, cache = args
@@ -376,7 +376,7 @@ class StepCacheRunner:
         self.cond = 1 if cfg else 0  # the conditional pass's place in the CFG batch [uncond, cond]
         self.threshold = cache.resolved_threshold()
         self.method = "calibrate" if cache.calibrate else cache.method
-        self.layers = len(getattr(family._parts[program.components[0]], family.STEP_CACHE_BLOCKS.attribute))
+        self.layers = len(getattr(family.component(program.components[0]), family.STEP_CACHE_BLOCKS.attribute))
         self.programs = step_cache_programs(family, self.method, program, cfg)
         self.executables = {mode: family.compile_stage(p) for mode, p in self.programs.items()}
         if self.method == "first-block":
@@ -506,3 +506,76 @@ def _calibration_ratio(residual, previous, context):
     now = jnp.linalg.norm(residual.astype(jnp.float32), axis=-1)
     before = jnp.linalg.norm(previous.astype(jnp.float32), axis=-1)
     return jnp.mean(now / (before + 1e-8))
+
+
+# --- a family's step caching (a part of ModelFamily) ------------------------------------------------------------------
+class StepCaching:
+    """Step caching of a model (a part of ``ModelFamily``): its settings checked, the step function a sampling
+    run calls, and what the cache did. A family sets ``STEP_CACHE_BLOCKS`` to take a step cache."""
+
+    #: Where the transformer keeps its blocks and what they take and return; None: this family has none (the
+    #: option is refused).
+    STEP_CACHE_BLOCKS: "BlockSpec | None" = None
+    #: How diffusers' pipeline of this family calls CFG's two passes: "halves" (one call each, so one cache state
+    #: and one decision per pass, though we run them as one batch) or "batch" (one call, one state).
+    CFG_CONTEXTS = "batch"
+    step_cache_report: dict | None = None  # what the last sampling run's step cache did (``finish_step_cache``)
+    step_cache_calibrated: dict | None = None  # a calibrating run's MagCache ratios, one list per transformer
+
+    def published_mag_ratios(self, s, image: bool) -> "tuple[str, dict] | None":
+        """MagCache's published ratios for this model, (which model's, one list per transformer), or None."""
+        return None
+
+    def check_step_cache(self, s) -> None:
+        """The step cache's settings, and (MagCache) that there are ratios to run with: the user's or the model's
+        published ones; refused before anything compiles, naming both ways out."""
+        cache = s.cache
+        if cache is None or not cache.active:
+            return
+        cache.check()
+        if self.STEP_CACHE_BLOCKS is None:
+            raise InputError(f"{self.FAMILY_NAME} has no step caching yet: run it with cache none")
+        if cache.method != "magcache" or cache.calibrate:
+            return
+        names = ["transformer"] + (["transformer_2"] if self.two_experts else [])
+        given = cache.mag_ratios or {}
+        if given:
+            extra = sorted(set(given) - set(names) - {"*"})
+            missing = [n for n in names if n not in given and "*" not in given]
+            if extra or missing:
+                raise InputError(f"mag ratios name {', '.join(extra or missing)}: this model's transformers are "
+                                 f"{', '.join(names)}; give one list (used for each) or an object with one list per "
+                                 "transformer")
+            return
+        if self.published_mag_ratios(s, image=False) is None:
+            raise InputError(f"{self.label} ({self.FAMILY_NAME}) has no published MagCache ratios: they are "
+                             "measured per model. Give yours with --mag-ratios (comma-separated, or a JSON file; the "
+                             "node's mag_ratios), or measure them with --cache magcache --cache-calibrate, which "
+                             "writes mag_ratios.json")
+
+    def step_function(self, program, s, experts: list[str], cfg: bool, image: bool = False) -> Callable:
+        """``run(i, state, *args)`` for step ``i`` of a sampling run: the compiled ``program``, or with a step cache
+        in ``s`` its cached programs (``experts``: the transformer each step uses). Compiled here, before the
+        first step; ``step_cache_report`` holds what the cache did once the run ends."""
+        self.step_cache_report = None
+        cache = s.cache
+        if cache is None or not cache.active:
+            executable = self.compile_stage(program)
+            return lambda i, state, *args: executable(state, *args)
+        source, ratios = "", None
+        if cache.method == "magcache" and not cache.calibrate:
+            if cache.mag_ratios:
+                source, ratios = "given", cache.mag_ratios
+            else:
+                source, ratios = self.published_mag_ratios(s, image)
+        runner = StepCacheRunner(self, cache, program, experts, cfg, ratios, source)
+        self._step_cache_runner = runner
+        return runner
+
+    def finish_step_cache(self) -> None:
+        """After a sampling run: what its step cache did, in ``step_cache_report`` (logged)."""
+        runner = self.__dict__.pop("_step_cache_runner", None)
+        if runner is not None:
+            self.step_cache_report = runner.report()
+            self.step_cache_calibrated = runner.calibrated() if runner.method == "calibrate" else None
+            log.info("%s", runner.summary())

@@ -41,11 +41,11 @@ def vae_placement(family) -> tuple[Callable, Callable]:
     import jax
 
     def keep(value):
-        spec = family._vae_input_spec(value.shape)
+        spec = family.vae_input_spec(value.shape)
         return jax.lax.with_sharding_constraint(value, family.runtime.sharding(family.mesh, spec))
 
     def placed(struct):
-        return None if struct is None else family.arg(struct.shape, struct.dtype, family._vae_input_spec(struct.shape))
+        return None if struct is None else family.arg(struct.shape, struct.dtype, family.vae_input_spec(struct.shape))
 
     return keep, placed
 
@@ -112,5 +112,5 @@ def run_streamed(family, programs: Sequence[StageProgram], inputs: Sequence, lat
         for index in later:
             out, caches = executables[1](state, source, family.put(np.array(index, np.int32)), caches)
             parts.append(family.runtime.to_cpu(out))
-    family._record_run(stage, start)
+    family.record_run(stage, start)
     return parts

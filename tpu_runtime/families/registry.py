@@ -11,25 +11,34 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..engine import catalogue
 from ..errors import InputError, ModelFolderError
 from .cogvideox import SPEC as COGVIDEOX
 from .ltx2 import SPEC as LTX2
-from .spec import Demo, FamilySpec
+from .spec import Demo, FamilySpec, Recipe, Setting
 from .wan import SPEC as WAN
 
-FAMILIES: list[FamilySpec] = [COGVIDEOX, WAN, LTX2]
+FAMILIES: list[FamilySpec] = []
 
 
 def register(spec: FamilySpec) -> FamilySpec:
-    """Add a family declared outside this package (a plugin; the tests' minimal family). Its name must be new."""
+    """Add a family (this package's, or one declared outside it: a plugin, the tests' minimal family). Its name
+    must be new. Its settings and LoRA key names become known to the engine."""
     if any(s.name == spec.name for s in FAMILIES):
         raise ValueError(f"a family named {spec.name!r} is registered already")
     FAMILIES.append(spec)
+    catalogue.declare(spec.display_name, spec.settings, spec.lora_keys)
     return spec
 
 
 def unregister(name: str) -> None:
+    for spec in [s for s in FAMILIES if s.name == name]:
+        catalogue.withdraw(spec.display_name)
     FAMILIES[:] = [s for s in FAMILIES if s.name != name]
+
+
+for _spec in (COGVIDEOX, WAN, LTX2):
+    register(_spec)
 
 
 def spec_named(name: str) -> FamilySpec:
@@ -41,8 +50,8 @@ def spec_named(name: str) -> FamilySpec:
 
 def family_class(spec: FamilySpec) -> type:
     cls = spec.load(spec.family_class)
-    if cls.FAMILY != spec.name:
-        raise TypeError(f"{cls.__name__}.FAMILY is {cls.FAMILY!r}, its declaration says {spec.name!r}")
+    if cls.SPEC is not spec:
+        raise TypeError(f"{cls.__name__}.SPEC is not the declaration of family {spec.name!r}")
     if (cls.STEP_CACHE_BLOCKS is not None) != spec.step_cache:
         raise TypeError(f"{cls.__name__}.STEP_CACHE_BLOCKS is {cls.STEP_CACHE_BLOCKS!r}, its declaration says "
                         f"step_cache={spec.step_cache}")
@@ -64,6 +73,39 @@ def message_types() -> tuple[type, ...]:
 
 def pipelines() -> tuple[str, ...]:
     return tuple(p for spec in FAMILIES for p in spec.pipelines)
+
+
+# --- what families declare they take --------------------------------------------------------------------------
+def settings_of(stage: str) -> dict[str, tuple[Setting, list[FamilySpec]]]:
+    """Every family's settings of ``stage`` ("sample", "decode", "open") by command-line option: the declaration
+    (the first family's, where several declare one) and the families that declare it."""
+    out: dict[str, tuple[Setting, list[FamilySpec]]] = {}
+    for spec in FAMILIES:
+        for setting in spec.settings_of(stage):
+            out.setdefault(setting.option, (setting, []))[1].append(spec)
+    return out
+
+
+def setting_by_dest(dest: str) -> Setting | None:
+    """The setting a keyword names as the command line does (``vae_tiling`` for ``--vae-tiling``), or None."""
+    for spec in FAMILIES:
+        for setting in spec.settings:
+            if setting.dest == dest:
+                return setting
+    return None
+
+
+def recipes() -> dict[str, tuple[Recipe, list[FamilySpec]]]:
+    """Every family's recipes by name, with the families that have one of that name."""
+    out: dict[str, tuple[Recipe, list[FamilySpec]]] = {}
+    for spec in FAMILIES:
+        for recipe in spec.recipes:
+            out.setdefault(recipe.name, (recipe, []))[1].append(spec)
+    return out
+
+
+def owners(specs: list[FamilySpec]) -> str:
+    return " and ".join(s.display_name for s in specs)
 
 
 # --- released architectures (plan) and tiny demos ----------------------------------------------------------------

@@ -14,7 +14,11 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+
+from ..engine.settings import Setting
+
+__all__ = ["Demo", "FamilySpec", "FileRole", "FilesLoaderNode", "NodeSpec", "Recipe", "SamplerNode", "Sampling",
+           "Setting"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,7 @@ class FileRole:
     folder: str  # ComfyUI's folder type, e.g. "diffusion_models"
     required: bool
     help: str
+    directory: bool = False  # a folder given by its path (a tokenizer, configs), not a file picked from a list
 
 
 @dataclass(frozen=True)
@@ -42,21 +47,44 @@ class Demo:
 
 @dataclass(frozen=True)
 class SamplerNode:
-    """The family's sampler node: defaults, the frames rule's tooltip, schedulers, and the inputs only it has
-    (``required`` after the common ones, ``optional`` before ``image_cond``), mapped to ``SampleSettings`` fields
-    by ``settings(inputs) -> dict`` (its sentinels turned into None)."""
+    """The family's sampler node: its size defaults and the frames rule's tooltip. Its other inputs are the
+    sampling settings every sampler has and the family's own (``FamilySpec.settings``), and where the family
+    refines (``Sampling.refine``) the latents to refine and how much fresh noise they get."""
 
     width: int
     height: int
     frames: int
     frames_tip: str
-    guidance: float
-    schedulers: tuple[str, ...]
-    required: dict = field(default_factory=dict)
-    optional: dict = field(default_factory=dict)
-    settings: Callable[[dict], dict] = lambda inputs: {}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the family samples by default: ``steps`` and ``guidance`` (the sampler node's, ``generate``'s and
+    ``plan``'s defaults), and the scheduler names its models take (besides their own). ``refine``: its sampler
+    can start from given latents with some fresh noise (a recipe's later sampling: the upsampler's latents)."""
+
     steps: int = 50
-    refine: bool = False  # an optional LATENT input: sample from those latents (the upsampler's) with noise_scale
+    guidance: float = 6.0
+    schedulers: tuple[str, ...] = ()
+    refine: bool = False
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A generation the family makes in several stage calls, run by ``generate`` when asked (LTX-2's two-stage:
+    sample at half size, upsample the latents, refine). ``stages``: the calls in order, each a stage method:
+    "sample" takes the next of the settings ``settings`` gives and the latents so far (none for the first), any
+    other stage takes the latents. ``settings``: ``"module:function"`` in the family's package, ``(family,
+    final settings) -> one SampleSettings per "sample"``, refusing what the recipe cannot run."""
+
+    name: str
+    help: str
+    stages: tuple[str, ...]
+    settings: str
+
+    @property
+    def option(self) -> str:
+        return "--" + self.name.replace("_", "-")
 
 
 @dataclass(frozen=True)
@@ -79,11 +107,8 @@ class NodeSpec:
     image_encode_doc: str = "The first frame VAE-encoded on the devices for the sampler."
     sampler_doc: str = "Denoise a video latent: one compiled program per shape, reused for every step and seed."
     decode_doc: str = "VAE decode to an IMAGE batch [frames, H, W, 3] for ComfyUI's CreateVideo / SaveVideo."
-    decode_inputs: dict = field(default_factory=dict)  # required inputs after model and samples (passed to decode)
     lora_optional: dict = field(default_factory=dict)  # the LoRA node's optional inputs (Wan 2.2's expert)
     files_loader: "FilesLoaderNode | None" = None
-    loader_optional: dict = field(default_factory=dict)  # the folder loader's own inputs, after the shared ones;
-    #                                                      each is the family constructor's keyword of that name
     audio: bool = False  # the decode node gives ComfyUI's AUDIO beside the IMAGE batch (a sound track)
     upsample_doc: str = ""  # a latent Upsample node (two-stage generation), described so; "": none
 
@@ -110,7 +135,14 @@ class FamilySpec:
     ``unsupported``). ``recognise_files``: a function ``(role -> path) -> bool`` saying whether single files are
     this family's, read from tensor names and shapes. ``architectures``: released models by name, as config-only
     folders (``plan``). ``message_types``: the dataclasses its constructor takes that a multi-host message carries
-    by value. ``step_cache``: its transformers take a step cache (``STEP_CACHE_BLOCKS``; the Step Cache node)."""
+    by value. ``step_cache``: its transformers take a step cache (``STEP_CACHE_BLOCKS``; the Step Cache node).
+
+    What its models take and run: ``sampling`` (default steps, guidance, schedulers), ``settings`` (its own
+    sampler, decode and loader options), ``stages`` (stage calls of its own beyond encode, encode_image, sample
+    and decode, e.g. LTX-2's ``upsample``: each is replayed on a multi-host slice like those), ``recipes``
+    (generations in several stage calls). ``lora_keys``: a regular expression the keys of a LoRA made for its
+    transformer match (so a LoRA given to another family's model is named as this family's). ``bench``: its
+    loading benchmarks, ``"module:function"`` by name (``bench --load-mb``)."""
 
     name: str
     display_name: str
@@ -128,6 +160,22 @@ class FamilySpec:
     recognise_files: str | None = None
     message_types: tuple[str, ...] = ()
     step_cache: bool = False
+    sampling: Sampling = Sampling()
+    settings: tuple[Setting, ...] = ()
+    stages: tuple[str, ...] = ()
+    recipes: tuple[Recipe, ...] = ()
+    lora_keys: str = ""
+    bench: dict[str, str] = field(default_factory=dict)
+
+    def settings_of(self, stage: str) -> tuple[Setting, ...]:
+        """Its settings of one stage ("sample", "decode", "open"), in declaration order."""
+        return tuple(s for s in self.settings if s.stage == stage)
+
+    def setting(self, name: str) -> Setting:
+        for s in self.settings:
+            if s.name == name:
+                return s
+        raise KeyError(name)
 
     def load(self, ref: str):
         """The object ``ref`` ("module:attribute" inside the family's package) names, its module imported now."""

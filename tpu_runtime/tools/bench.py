@@ -341,7 +341,8 @@ def bench_ltx2_file_load(size_mb: int, dtypes=("bfloat16",)) -> dict:
     import torch
     from diffusers import LTX2VideoTransformer3DModel
 
-    from ..families.ltx2.tiny import build_tiny_ltx2, export_comfy_files, transformer_config
+    from ..families.ltx2.bench import export_comfy_files
+    from ..families.ltx2.tiny import build_tiny_ltx2, transformer_config
 
     work = Path(tempfile.mkdtemp(prefix="tpu_video_load_"))
     folder = build_tiny_ltx2(work / "ltx2", "2.0", upsampler=False, fp8=True)
@@ -597,13 +598,7 @@ def add_args(p) -> None:
 
 
 def main(args) -> int:
-    if args.comfy_native:
-        from .bench_native import bench_native, print_native_table
-
-        r = bench_native(args.comfy, args.comfy_file, height=args.height or 64, width=args.width or 64,
-                         frames=args.frames or 9, steps=args.steps, repeats=args.repeats)
-        print_native_table(r)
-    elif args.load_file_mb and args.generation == "ltx2":
+    if args.load_file_mb and args.generation == "ltx2":
         r = bench_ltx2_file_load(args.load_file_mb)
         print_ltx2_load_table(r)
     elif args.load_file_mb:

@@ -3,8 +3,8 @@ command line.
 
 generate  text or image to video: runs encode → sample → decode (or one of them, from the files of the stage
           before) and writes generation_config.json, stage1_embeddings.safetensors, stage2_latents.safetensors,
-          frames.safetensors and output_video.mp4 into --output-dir. --model takes a diffusers folder (CogVideoX,
-          Wan); Wan also loads from ComfyUI's single files (--transformer [--transformer-2] --text-encoder --vae).
+          frames.safetensors and output_video.mp4 into --output-dir. --model takes a diffusers folder; some
+          families also load from ComfyUI's single files (their options below).
 demo      builds a tiny RANDOM-weight model on the spot and runs generate on it (no download; the video is noise).
 bench     times every stage and counts compiles against diffusers eager on the same weights.
 plan      compiles every stage for a TPU slice this machine does not have and reports per-chip memory, collectives,
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from .generate import STAGES, GenerateRequest, generate, print_summary  # noqa: F401 - the CLI's public names
-from .options import add_cache_args, add_file_args, file_args
+from .options import add_cache_args, add_family_args, add_file_args, file_args
 
 log = logging.getLogger("tpu_runtime")
 
@@ -47,65 +47,48 @@ DEMO_PROMPT = "a panda playing a guitar"  # fits the tiny models' 16 text tokens
 
 
 def _add_generate_args(p: argparse.ArgumentParser, demo: bool = False) -> None:
+    from ..families import registry
+
+    families = registry.FAMILIES
+    by_family = lambda fact: ", ".join(f"{s.display_name} {fact(s)}" for s in families)  # noqa: E731
     if not demo:
         p.add_argument("--model", help="a diffusers model folder (or hub id, with network)")
         p.add_argument("--prompt", help="what the video shows (needed for --stage all and encode)")
         add_file_args(p)
         p.add_argument("--image", help="image-to-video: the first frame (PNG/JPEG/WebP), resized to the video's "
-                       "size; needed by I2V models, optional for Wan TI2V-5B")
-        p.add_argument("--last-image", help="Wan FLF2V: the last frame")
+                       "size; needed by image-to-video models, optional for the models that take either")
+        p.add_argument("--last-image", help="first-and-last-frame models: the last frame")
         p.add_argument("--lora", dest="loras", action="append", default=[], metavar="FILE[:STRENGTH]",
-                       help="a LoRA merged into the transformer (Wan 2.2 A14B: the high-noise expert), strength 1 "
-                       "unless given; repeat for several")
+                       help="a LoRA merged into the transformer (a two-expert model's first, high-noise expert), "
+                       "strength 1 unless given; repeat for several")
         p.add_argument("--lora-2", dest="loras_2", action="append", default=[], metavar="FILE[:STRENGTH]",
-                       help="Wan 2.2 A14B: a LoRA merged into the low-noise expert; LTX-2 with --two-stage: a LoRA "
-                       "for the refine stage only (e.g. the distilled LoRA); repeat for several")
+                       help="the second LoRA slot: a two-expert model's low-noise expert, or a recipe's later "
+                       "sampling (e.g. a distilled LoRA for a refine stage); repeat for several")
     p.add_argument("--negative-prompt", default="", help="what to steer away from (default: empty)")
-    size = "the tiny model's (64x96x9; 64x64x17 for 1.5)" if demo else "the model's native size"
-    p.add_argument("--height", type=int, help=f"pixels, multiple of 16 (32 for Wan TI2V-5B); default: {size}")
-    p.add_argument("--width", type=int, help=f"pixels, multiple of 16 (32 for Wan TI2V-5B); default: {size}")
-    p.add_argument("--frames", type=int, help="CogVideoX 2b/5b 8N+1 (49), 1.5 16N+1 (81); Wan 4N+1 (81, "
-                   f"TI2V-5B 121); default: {size}")
-    p.add_argument("--steps", type=int, default=4 if demo else 50, help="denoising steps")
-    p.add_argument("--guidance", type=float, help="CFG scale; 1 or less turns CFG off (default: 6 CogVideoX, "
-                   "5 Wan)")
+    size = "the tiny model's (" + ", ".join(f"{n} {d.height}x{d.width}x{d.frames}" for n, (_, d) in
+                                            registry.demos().items()) + ")" if demo else "the model's native size"
+    p.add_argument("--height", type=int, help=f"pixels, a multiple of 16 or of what the model needs (a wrong one is "
+                   f"refused naming the nearest); default: {size}")
+    p.add_argument("--width", type=int, help=f"pixels, as --height; default: {size}")
+    p.add_argument("--frames", type=int, help="; ".join(f"{s.display_name} {s.nodes.sampler.frames_tip}"
+                                                      for s in families) + f"; default: {size}")
+    p.add_argument("--steps", type=int, default=4 if demo else None,
+                   help="denoising steps" + ("" if demo else f" (default: the model's: {by_family(lambda s: s.sampling.steps)})"))
+    p.add_argument("--guidance", type=float, help="CFG scale; 1 or less turns CFG off (default: "
+                   f"{by_family(lambda s: f'{s.sampling.guidance:g}')})")
     p.add_argument("--seed", type=int, default=0, help="same seed, same video as diffusers with this seed")
-    p.add_argument("--scheduler", choices=["ddim", "dpm", "unipc", "euler", "euler_simple"],
-                   help="CogVideoX: ddim|dpm; Wan: unipc|euler|euler_simple (flow matching; euler_simple: "
-                   "ComfyUI's simple spacing, for the 4-step lightx2v LoRAs); default: the model's")
-    p.add_argument("--dynamic-cfg", action="store_true", help="CogVideoX's cosine guidance schedule")
-    p.add_argument("--shift", type=float, help="Wan: flow shift (default: the model's scheduler config)")
-    p.add_argument("--guidance-2", type=float, help="Wan 2.2 A14B: guidance of the low-noise expert "
-                   "(default: --guidance)")
-    p.add_argument("--boundary", type=float, help="Wan 2.2 A14B: expert switch as a fraction of the 1000 "
-                   "training timesteps (default: the model's, 0.875)")
-    ltx2 = p.add_argument_group("LTX-2 (video with sound; each left out: the model's default, as diffusers')")
-    ltx2.add_argument("--audio-guidance", type=float, help="CFG scale of the sound (default 7)")
-    ltx2.add_argument("--stg-scale", type=float, help="spatio-temporal guidance, video and sound (default 1; 0 "
-                      "turns it off)")
-    ltx2.add_argument("--modality-scale", type=float, help="modality-isolation guidance (default 3; 1 turns it off)")
-    ltx2.add_argument("--guidance-rescale", type=float, help="rescale of the guided prediction (default 0.7; 0 "
-                      "turns it off)")
-    ltx2.add_argument("--frame-rate", type=float, help="frames per second the video is made for: sets the sound's "
-                      "length and the positions (default 24; also the mp4's unless --fps)")
-    ltx2.add_argument("--sigmas", choices=["default", "distilled", "stage2"], help="sigma schedule: the model's "
-                      "(default), the distilled model's 8 steps, the refine stage's 3")
-    if not demo:
-        ltx2.add_argument("--upsampler", help="the spatial latent upsampler's folder (default: the model's "
-                          "latent_upsampler/)")
-    ltx2.add_argument("--two-stage", action="store_true", help="LTX-2's recipe: sample at half the width and "
-                      "height, upsample the latents x2, refine 3 steps (stage-2 sigmas, one pass a step; --lora-2 adds LoRAs to "
-                      "this stage only)")
+    schedulers = list(dict.fromkeys(n for s in families for n in s.sampling.schedulers))
+    p.add_argument("--scheduler", choices=schedulers, help="; ".join(
+        f"{s.display_name}: {'|'.join(s.sampling.schedulers)}" for s in families if s.sampling.schedulers)
+        + "; default: the model's")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="auto: bfloat16 on TPU/GPU, float32 on CPU")
-    p.add_argument("--fps", type=int, help="default: the model's (8 CogVideoX, 16 CogVideoX1.5 and Wan, "
-                   "24 TI2V-5B)")
+    p.add_argument("--fps", type=int, help="the mp4's frames per second; default: the model's (the rate it was "
+                   "trained at, or the one its settings make the video for)")
     add_cache_args(p)
     p.add_argument("--stage", choices=STAGES, default="all",
                    help="sample starts from the stage-1 file in --output-dir, decode from the stage-2 file")
-    p.add_argument("--vae-tiling", action="store_true", help="CogVideoX: decode in spatial tiles (large frames)")
-    p.add_argument("--group-norm", choices=["stock", "jnp_var"], default="stock",
-                   help="CogVideoX VAE GroupNorm lowering: torchax's own or one vectorised jnp.var reduction")
+    add_family_args(p, stages=("sample", "decode") if demo else ("sample", "decode", "open"))
     p.add_argument("--cache-dir", help="persistent XLA compilation cache (default: $TPU_VIDEO_CACHE_DIR or "
                    "~/.cache/tpu_video_nodes/xla_cache)")
     p.add_argument("--mesh", help="device mesh as dp=N,sp=N,tp=N (product = device count; default: CFG batch "
@@ -133,8 +116,10 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool = False) -> None:
 
 
 def _request(args: argparse.Namespace, **overrides) -> GenerateRequest:
+    from ..families import registry
+
     fields = GenerateRequest.__dataclass_fields__
-    values = {k: v for k, v in vars(args).items() if k in fields}
+    values = {k: v for k, v in vars(args).items() if k in fields or registry.setting_by_dest(k) is not None}
     values["files"] = file_args(args)
     values.update(overrides)
     return GenerateRequest(**values)
@@ -187,10 +172,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             return _demo(args)
         if args.command == "bench":
+            if args.comfy_native:
+                return _bench_native(args)
             from . import bench
 
             return bench.main(args)
         if args.command == "plan":
+            if args.comfy_model:
+                return _plan_native(args)
             from . import plan
 
             return plan.run(args)
@@ -207,6 +196,49 @@ def main(argv: list[str] | None = None) -> int:
     except SliceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+
+
+def _plan_native(args: argparse.Namespace) -> int:
+    """``plan --comfy-model``: each topology given, the bridged step (and our family's beside it)."""
+    import json
+    from dataclasses import asdict
+
+    from ..engine.attention import AttentionConfig
+    from ..engine.validation import check_number
+    from .plan_native import check_args, format_native_report, plan_native
+    from .topology import parse_topology
+
+    for name, value in (("--height", args.height), ("--width", args.width), ("--frames", args.frames),
+                        ("--layers", args.layers)):
+        check_number(name, value, minimum=1, integer=True, optional=True)
+    check_args(args)
+    attention = AttentionConfig(impl=args.attention, block_q=args.block_q, block_kv=args.block_kv,
+                                block_kv_compute=args.block_kv_compute, exp2=args.exp2)
+    reports = []
+    for topology in [parse_topology(t) for t in args.topology.split(",")]:
+        report = plan_native(args.comfy_model, args.comfy, topology, height=args.height, width=args.width,
+                             frames=args.frames, guidance=args.guidance, mesh=args.mesh, layers=args.layers,
+                             attention=attention, compare=not args.no_compare)
+        print(format_native_report(report), flush=True)
+        reports.append(asdict(report))
+        if args.json:
+            Path(args.json).write_text(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
+    return 0 if all(r["fits"] for r in reports) else 3
+
+
+def _bench_native(args: argparse.Namespace) -> int:
+    """``bench --comfy-native``: ComfyUI's own sampling natively and through the bridge."""
+    import json
+
+    from .bench_native import bench_native, print_native_table
+
+    r = bench_native(args.comfy, args.comfy_file, height=args.height or 64, width=args.width or 64,
+                     frames=args.frames or 9, steps=args.steps, repeats=args.repeats)
+    print_native_table(r)
+    if args.json:
+        Path(args.json).write_text(json.dumps(r, indent=2))
+        print(f"\nwrote {args.json}")
+    return 0
 
 
 def _worker(args: argparse.Namespace) -> int:

@@ -3,11 +3,13 @@ what ``bench`` and the tests call.
 
 ``open_model`` asks the family registry for what the user pointed at (a diffusers folder, or ComfyUI's single
 files) and returns the loaded family; ``generate`` runs encode → sample → decode (or one stage, from the files of
-the stage before) and writes the stage files, the frames, the mp4 and ``generation_config.json``.
+the stage before; or a recipe the family declares, e.g. sample → upsample → sample) and writes the stage files,
+the frames, the mp4 and ``generation_config.json``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -23,6 +25,10 @@ STAGES = ("all", "encode", "sample", "decode")
 
 @dataclass
 class GenerateRequest:
+    """One generation. A family's own settings (its declaration's) go in ``options`` (sampler), ``decode_options``
+    and ``open_options`` (the family's constructor) by name, or as keywords named as their command-line options
+    (``shift=6.0``, ``vae_tiling=True``); ``recipe``: one of the family's recipes by name (or ``two_stage=True``)."""
+
     model: str | None
     output_dir: str
     prompt: str | None = None
@@ -30,19 +36,13 @@ class GenerateRequest:
     height: int | None = None
     width: int | None = None
     frames: int | None = None
-    steps: int = 50
-    guidance: float | None = None  # None: the family's usual (6 for CogVideoX, 5 for Wan)
+    steps: int | None = None  # None: the family's default
+    guidance: float | None = None  # None: the family's default
     seed: int = 0
     scheduler: str | None = None
-    dynamic_cfg: bool = False
-    shift: float | None = None
-    guidance_2: float | None = None
-    boundary: float | None = None
     dtype: str = "auto"
-    fps: int | None = None  # None: the model's (8 for CogVideoX, 16 for Wan, 24 for TI2V-5B)
+    fps: int | None = None  # None: what the settings say, else the model's
     stage: str = "all"
-    vae_tiling: bool = False
-    group_norm: str = "stock"
     cache_dir: str | None = None
     mesh: str | None = None
     attention: str = "auto"
@@ -54,27 +54,19 @@ class GenerateRequest:
     vae_sharding: str = "auto"
     files: dict[str, str] = field(default_factory=dict)  # single files by role (registry.file_roles), not --model
     loras: list[str] = field(default_factory=list)  # FILE[:STRENGTH], merged into the transformer
-    loras_2: list[str] = field(default_factory=list)  # FILE[:STRENGTH], Wan 2.2 A14B's low-noise expert
+    loras_2: list[str] = field(default_factory=list)  # FILE[:STRENGTH], the second LoRA slot
     image: str | None = None  # image-to-video: the first frame
-    last_image: str | None = None  # Wan FLF2V: the last frame
-    clip_vision: str | None = None  # single-file Wan 2.1 I2V / FLF2V: models/clip_vision/clip_vision_h
+    last_image: str | None = None  # first-and-last-frame models: the last frame
     cache: str = "none"  # step caching: none | magcache | first-block (engine/stepcache.py)
     cache_threshold: float | None = None  # None: diffusers' default for the method
     cache_max_skip: int | None = None  # None: 3
     cache_retention: float | None = None  # None: 0.2
     mag_ratios: str | None = None  # comma-separated, or a JSON file; None: the model's published ones
     cache_calibrate: bool = False  # MagCache without skipping: writes mag_ratios.json
-    # LTX-2 (None: the model's default; engine.stages.SampleSettings has the meaning of each)
-    audio_guidance: float | None = None
-    stg_scale: float | None = None
-    modality_scale: float | None = None
-    guidance_rescale: float | None = None
-    frame_rate: float | None = None
-    sigmas: str | None = None
-    upsampler: str | None = None  # the spatial latent upsampler's folder (default: the model's latent_upsampler/)
-    two_stage: bool = False  # LTX-2's recipe: sample at half size, upsample the latents x2, refine 3 steps
-
-    LTX2_SETTINGS = ("audio_guidance", "stg_scale", "modality_scale", "guidance_rescale", "frame_rate", "sigmas")
+    recipe: str | None = None
+    options: dict = field(default_factory=dict)
+    decode_options: dict = field(default_factory=dict)
+    open_options: dict = field(default_factory=dict)
 
     def lora_specs(self) -> tuple[tuple, tuple]:
         from ..engine.lora import parse_lora
@@ -94,11 +86,42 @@ class GenerateRequest:
                                block_kv_compute=self.block_kv_compute, exp2=self.exp2)
 
 
+def _with_family_keywords(init):
+    """``GenerateRequest``'s ``__init__``: its fields, and a family's settings and recipes as keywords named as
+    their command-line options (each into its bucket of ``options`` by the setting's stage)."""
+    import functools
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        from ..families import registry
+
+        fields = {f.name for f in dataclasses.fields(GenerateRequest)}
+        buckets = {"sample": dict(kwargs.pop("options", None) or {}),
+                   "decode": dict(kwargs.pop("decode_options", None) or {}),
+                   "open": dict(kwargs.pop("open_options", None) or {})}
+        for key in [k for k in kwargs if k not in fields]:
+            value = kwargs.pop(key)
+            setting = registry.setting_by_dest(key)
+            if setting is not None:
+                buckets[setting.stage][setting.name] = value
+            elif key in registry.recipes():
+                kwargs["recipe"] = key if value else kwargs.get("recipe")
+            else:
+                raise TypeError(f"GenerateRequest has no field or setting {key!r}")
+        init(self, *args, options=buckets["sample"], decode_options=buckets["decode"], open_options=buckets["open"],
+             **kwargs)
+
+    return wrapper
+
+
+GenerateRequest.__init__ = _with_family_keywords(GenerateRequest.__init__)
+
+
 def open_model(req: GenerateRequest, runtime=None):
     """The family for ``req.model`` (a diffusers folder) or for ``req``'s single files, as the registry picks it."""
     from ..families import registry
 
-    extra = {"upsampler": req.upsampler} if req.upsampler else {}
+    extra = {k: v for k, v in req.open_options.items() if v not in (None, "")}
     return registry.open_model(req.model, req.files, dtype=req.dtype, runtime=runtime, mesh=req.mesh,
                                attention=req.attention_config(), fsdp=req.fsdp, vae_sharding=req.vae_sharding, **extra)
 
@@ -107,16 +130,17 @@ def check_request_numbers(req: GenerateRequest) -> None:
     """The request's numbers, each against its rule, before anything loads or runs. Leaving an option out (None)
     means the model's default; zero and negative values are mistakes, refused with the rule."""
     from ..engine.validation import check_number
+    from ..families import registry
 
     for name, value in (("height", req.height), ("width", req.width), ("frames", req.frames), ("fps", req.fps)):
         check_number(f"--{name}", value, minimum=1, integer=True, optional=True)
-    check_number("--steps", req.steps, minimum=1, integer=True)
+    check_number("--steps", req.steps, minimum=1, integer=True, optional=True)
     check_number("--seed", req.seed, minimum=0, integer=True)
     check_number("--guidance", req.guidance, minimum=0.0, optional=True)
-    check_number("--guidance-2", req.guidance_2, minimum=0.0, optional=True)
-    check_number("--shift", req.shift, above=0.0, optional=True)
-    check_number("--boundary", req.boundary, above=0.0, below=1.0, optional=True)
-    check_number("--frame-rate", req.frame_rate, above=0.0, optional=True)
+    for stage, given in (("sample", req.options), ("decode", req.decode_options)):
+        for setting, _ in registry.settings_of(stage).values():
+            if setting.cli:
+                setting.check(given.get(setting.name), setting.option)
 
 
 def _stage_size(req: GenerateRequest, family, out: Path) -> tuple[int, int, int]:
@@ -146,13 +170,46 @@ def _stage_size(req: GenerateRequest, family, out: Path) -> tuple[int, int, int]
     return tuple(n if a is None else a for a, n in zip(asked, native))
 
 
+def sampling(req: GenerateRequest, family, size: tuple[int, int, int]):
+    """The request's sampling settings for ``family`` at ``size``, the family's defaults where the request leaves
+    one out, and the recipe's (None: one sampling), every one checked (LoRA files read) before anything runs."""
+    from ..engine.stages import SampleSettings
+    from ..errors import InputError
+    from ..families import registry
+
+    height, width, frames = size
+    loras, loras_2 = req.lora_specs()
+    settings = SampleSettings(height, width, frames, family.DEFAULT_STEPS if req.steps is None else req.steps,
+                              family.DEFAULT_GUIDANCE if req.guidance is None else req.guidance, req.seed,
+                              req.scheduler, loras=loras, loras_2=loras_2, cache=req.step_cache(),
+                              options={k: v for k, v in req.options.items() if v is not None})
+    recipe = None
+    if req.recipe is not None:
+        recipe, owners = registry.recipes()[req.recipe]
+        if family.SPEC not in owners:
+            raise InputError(f"{recipe.option} is {registry.owners(owners)}'s recipe; {family.label} is a "
+                             f"{family.FAMILY_NAME} model: leave it out")
+        if req.stage not in ("all", "sample"):
+            raise InputError(f"{recipe.option} applies to sampling: use it with --stage all or --stage sample, not "
+                             f"{req.stage}")
+    if settings.cache is not None and req.stage not in ("all", "sample"):
+        raise InputError(f"--cache applies to sampling: use it with --stage all or --stage sample, not {req.stage}")
+    runs = (settings,) if recipe is None else tuple(family.SPEC.load(recipe.settings)(family, settings))
+    if req.stage in ("all", "sample"):
+        for s in runs:
+            family.check_settings(s)  # before the encode stage spends any time
+        for s in runs:
+            family.apply_loras(family.lora_targets(s), merge=False)  # every LoRA file read and checked too
+    elif loras or loras_2:
+        raise InputError(f"--lora applies to sampling: use it with --stage all or --stage sample, not {req.stage}")
+    return settings, recipe, runs
+
+
 def generate(req: GenerateRequest, family=None) -> dict:
     """Run the requested stage(s); return the generation config written to the output folder."""
     from ..engine.runtime import compile_stats, get_runtime
-    from ..engine.stages import SampleSettings
     from ..errors import InputError
     from . import stage_files as sf
-    from .video import write_mp4, write_wav
 
     if req.stage not in STAGES:
         raise InputError(f"--stage must be one of {STAGES}, got {req.stage!r}")
@@ -164,102 +221,129 @@ def generate(req: GenerateRequest, family=None) -> dict:
     family = family or open_model(req, runtime)
 
     check_request_numbers(req)  # a value given is a value used: zero or negative is refused, never replaced
-    height, width, frames = _stage_size(req, family, out)
-    family.validate(height, width, frames)
-    fps = req.fps if req.fps is not None else round(req.frame_rate) if req.frame_rate else None
-    if fps is None and req.stage == "decode":  # the rate the earlier stages recorded (LTX-2's --frame-rate)
+    size = _stage_size(req, family, out)
+    family.validate(*size)
+    settings, recipe, runs = sampling(req, family, size)
+    fps = req.fps if req.fps is not None else family.fps_of(settings)
+    if fps is None and req.stage == "decode":  # the rate the earlier stages recorded (a setting's, e.g. a frame rate)
         fps = sf.recorded(out, "fps")
     fps = fps or family.default_fps()
-    guidance = req.guidance if req.guidance is not None else family.DEFAULT_GUIDANCE
-    loras, loras_2 = req.lora_specs()
-    cache = req.step_cache()
-    settings = SampleSettings(height, width, frames, req.steps, guidance, req.seed, req.scheduler, req.dynamic_cfg,
-                              req.shift, req.guidance_2, req.boundary, loras=loras, loras_2=loras_2, cache=cache,
-                              **{name: getattr(req, name) for name in req.LTX2_SETTINGS})
-    stages = two_stage_settings(family, settings) if req.two_stage else None
-    if req.two_stage and req.stage not in ("all", "sample"):
-        raise InputError(f"--two-stage applies to sampling: use it with --stage all or --stage sample, not {req.stage}")
-    if cache is not None and req.stage not in ("all", "sample"):
-        raise InputError(f"--cache applies to sampling: use it with --stage all or --stage sample, not {req.stage}")
-    if req.stage in ("all", "sample"):
-        for s in stages or (settings,):
-            family.check_settings(s)  # before the encode stage spends any time
-        for s in stages or (settings,):
-            family.apply_loras(family.lora_targets(s), merge=False)  # every LoRA file read and checked too
-    elif loras or loras_2:
-        raise InputError(f"--lora applies to sampling: use it with --stage all or --stage sample, not {req.stage}")
-    images = None
-    if req.stage in ("all", "encode"):
-        family.check_images(bool(req.image), bool(req.last_image))
-        from ..engine.images import load_image
-
-        images = (load_image(req.image, "--image") if req.image else None,
-                  load_image(req.last_image, "--last-image") if req.last_image else None)
-    elif req.image or req.last_image:
-        raise InputError(f"--image is read by the encode stage: use it with --stage all or --stage encode, not "
-                         f"{req.stage} (sample takes the encoded image from {sf.IMAGE_FILE})")
-
+    images = _images(req, family)
+    height, width, frames = size
     config = {
         **family.describe(), "dtype": family.dtype_name, "backend": runtime.backend,
         "devices": len(runtime.devices), "mesh": str(family.mesh_spec), "attention": family.attention.impl,
         "height": height, "width": width, "frames": frames, "fps": fps,
     }
+    embeddings = image = latents = None
     if req.stage in ("all", "encode"):
-        if not req.prompt:
-            raise InputError("--prompt is required for --stage all and --stage encode")
-        embeddings = family.encode(req.prompt, req.negative_prompt)
-        sf.save_embeddings(out, embeddings, size=(height, width, frames))
-        config.update(prompt=req.prompt, negative_prompt=req.negative_prompt)
-        image = None
-        if images[0] is not None:  # at the size the (first) sampling runs at
-            first = stages[0] if stages else settings
-            image = family.encode_image(*images, height=first.height, width=first.width, num_frames=frames)
-            sf.save_image(out, image)
-        else:
-            sf.drop_image(out)
-        if req.image:
-            config.update(image=str(req.image), **({"last_image": str(req.last_image)} if req.last_image else {}))
+        embeddings, image = _encode(req, family, out, images, runs[0], config)
     if req.stage in ("all", "sample"):
-        if req.stage == "sample":
-            embeddings = sf.load_embeddings(out)
-            image = sf.load_image(out) if family.image_input != "none" and (
-                family.image_input == "required" or sf.has_image(out)) else None
-        if stages:
-            latents = family.sample(embeddings, stages[0], on_step=_log_step, image=image)
-            latents = family.sample(embeddings, stages[1], on_step=_log_step, latents=family.upsample(latents))
-            config.update(two_stage={"first": [stages[0].height, stages[0].width], "refine_steps": stages[1].steps,
-                                     "refine_sigmas": stages[1].sigmas})
-        else:
-            latents = family.sample(embeddings, settings, on_step=_log_step, image=image)
-        sf.save_latents(out, latents)
-        config.update(steps=req.steps, guidance=guidance, seed=req.seed, scheduler=req.scheduler or "model default",
-                      **{k: v for k, v in (("dynamic_cfg", req.dynamic_cfg), ("shift", req.shift),
-                                           ("guidance_2", req.guidance_2), ("boundary", req.boundary)) if v},
-                      **{name: getattr(req, name) for name in req.LTX2_SETTINGS if getattr(req, name) is not None})
-        for name, specs in (("loras", loras), ("loras_2", loras_2)):
-            if specs:
-                config[name] = [{"path": str(spec.path), "strength": spec.strength} for spec in specs]
-        config["step_cache"] = family.step_cache_report or {"method": "none"}
-        if cache is not None and cache.calibrate:
-            config["step_cache"]["mag_ratios_file"] = str(write_mag_ratios(out, family.step_cache_calibrated))
+        latents = _sample(req, family, out, embeddings, image, settings, recipe, runs, config)
     if req.stage in ("all", "decode"):
-        if req.stage == "decode":
-            latents = sf.load_latents(out)
-        frames_tensor = family.decode(latents, tiling=req.vae_tiling, group_norm=req.group_norm)
-        audio = waveform = None
-        if latents.audio is not None:  # a sound track (LTX-2): a WAV beside the mp4, and in it
-            waveform = family.decode_audio(latents)
-            audio = write_wav(waveform, out / sf.AUDIO_FILE, family.sample_rate)
-            config.update(sample_rate=family.sample_rate)
+        _decode(req, family, out, latents, fps, config)
+    return sf.update_config(out, **config, timings={req.stage: _timings(family, stats_before, wall_start)})
+
+
+def _images(req: GenerateRequest, family):
+    """The first (and last) image the encode stage reads, checked against what the model takes."""
+    from ..errors import InputError
+    from . import stage_files as sf
+
+    if req.stage in ("all", "encode"):
+        family.check_images(bool(req.image), bool(req.last_image))
+        from ..engine.images import load_image
+
+        return (load_image(req.image, "--image") if req.image else None,
+                load_image(req.last_image, "--last-image") if req.last_image else None)
+    if req.image or req.last_image:
+        raise InputError(f"--image is read by the encode stage: use it with --stage all or --stage encode, not "
+                         f"{req.stage} (sample takes the encoded image from {sf.IMAGE_FILE})")
+    return None
+
+
+def _encode(req: GenerateRequest, family, out: Path, images, first, config: dict):
+    """Stage 1 (and the image encode, at the size the first sampling runs at): embeddings and the image."""
+    from ..errors import InputError
+    from . import stage_files as sf
+
+    if not req.prompt:
+        raise InputError("--prompt is required for --stage all and --stage encode")
+    embeddings = family.encode(req.prompt, req.negative_prompt)
+    sf.save_embeddings(out, embeddings, size=(config["height"], config["width"], config["frames"]))
+    config.update(prompt=req.prompt, negative_prompt=req.negative_prompt)
+    image = None
+    if images[0] is not None:
+        image = family.encode_image(*images, height=first.height, width=first.width, num_frames=config["frames"])
+        sf.save_image(out, image)
+    else:
+        sf.drop_image(out)
+    if req.image:
+        config.update(image=str(req.image), **({"last_image": str(req.last_image)} if req.last_image else {}))
+    return embeddings, image
+
+
+def _sample(req: GenerateRequest, family, out: Path, embeddings, image, settings, recipe, runs, config: dict):
+    """Stage 2: one sampling, or the recipe's stage calls in order (each sampling after the first refines the
+    latents so far); the settings recorded."""
+    from . import stage_files as sf
+
+    if req.stage == "sample":
+        embeddings = sf.load_embeddings(out)
+        image = sf.load_image(out) if family.image_input != "none" and (
+            family.image_input == "required" or sf.has_image(out)) else None
+    latents = None
+    samplings = iter(runs)
+    for stage in recipe.stages if recipe is not None else ("sample",):
+        if stage == "sample":
+            refine = {} if latents is None else {"latents": latents}
+            latents = family.sample(embeddings, next(samplings), on_step=_log_step,
+                                    image=image if latents is None else None, **refine)
         else:
-            (out / sf.AUDIO_FILE).unlink(missing_ok=True)  # an earlier run's sound is not this video's
-        sf.save_frames(out, frames_tensor, audio=waveform)
-        write_mp4(frames_tensor, out / sf.VIDEO_FILE, fps=fps, audio=audio)
-        config.update(vae_tiling=req.vae_tiling, group_norm=req.group_norm)
+            latents = getattr(family, stage)(latents)
+    sf.save_latents(out, latents)
+    config.update(steps=settings.steps, guidance=settings.guidance, seed=req.seed,
+                  scheduler=req.scheduler or "model default", **settings.options)
+    if recipe is not None:
+        config[recipe.name] = {"stages": list(recipe.stages), "samplings": [
+            {"height": s.height, "width": s.width, "steps": s.steps, "guidance": s.guidance,
+             **{k: v for k, v in s.options.items() if settings.options.get(k) != v}} for s in runs]}
+    for name, specs in (("loras", settings.loras), ("loras_2", settings.loras_2)):
+        if specs:
+            config[name] = [{"path": str(spec.path), "strength": spec.strength} for spec in specs]
+    config["step_cache"] = family.step_cache_report or {"method": "none"}
+    if settings.cache is not None and settings.cache.calibrate:
+        config["step_cache"]["mag_ratios_file"] = str(write_mag_ratios(out, family.step_cache_calibrated))
+    return latents
+
+
+def _decode(req: GenerateRequest, family, out: Path, latents, fps: int, config: dict) -> None:
+    """Stage 3: frames (and the sound track of a model with one, as a WAV beside the mp4 and in it)."""
+    from . import stage_files as sf
+    from .video import write_mp4, write_wav
+
+    if req.stage == "decode":
+        latents = sf.load_latents(out)
+    options = {k: v for k, v in req.decode_options.items() if v is not None}
+    frames_tensor = family.decode(latents, **options)
+    audio = waveform = None
+    if latents.audio is not None:
+        waveform = family.decode_audio(latents)
+        audio = write_wav(waveform, out / sf.AUDIO_FILE, family.sample_rate)
+        config.update(sample_rate=family.sample_rate)
+    else:
+        (out / sf.AUDIO_FILE).unlink(missing_ok=True)  # an earlier run's sound is not this video's
+    sf.save_frames(out, frames_tensor, audio=waveform)
+    write_mp4(frames_tensor, out / sf.VIDEO_FILE, fps=fps, audio=audio)
+    config.update({s.dest: options.get(s.name, s.default) for s in family.SPEC.settings_of("decode")})
+
+
+def _timings(family, stats_before, wall_start: float) -> dict:
+    from ..engine.runtime import compile_stats
 
     t = family.timings
     stats = compile_stats().since(stats_before)
-    timings = {
+    return {
         "load_s": round(t.load, 3),
         "compile_s": {k: round(v, 3) for k, v in t.compile.items()},
         "run_s": {k: round(v, 3) for k, v in t.run.items()},
@@ -270,34 +354,6 @@ def generate(req: GenerateRequest, family=None) -> dict:
         "persistent_cache_hits_total": stats.persistent_cache_hits,
         "wall_s": round(time.perf_counter() - wall_start, 3),
     }
-    return sf.update_config(out, **config, timings={req.stage: timings})
-
-
-def two_stage_settings(family, settings):
-    """LTX-2's two-stage recipe for ``settings`` (the final size): the first sampling at half the width and height,
-    then, after the spatial latent upsampler, 3 refine steps over the stage-2 distilled sigmas with one transformer
-    pass a step (guidance 1, no STG or isolation: the distilled stage-2 settings), the same seed. The LoRAs of
-    ``loras_2`` (``--lora-2``: LTX-2's distilled LoRA in its own recipe) join the refine stage only."""
-    import dataclasses
-
-    from ..errors import InputError
-
-    if not hasattr(family, "upsample"):
-        raise InputError(f"--two-stage is LTX-2's recipe; {family.label} is a {family.FAMILY_NAME} model: leave it out")
-    if getattr(family, "upsampler_path", None) is None:
-        raise InputError(f"--two-stage needs the spatial latent upsampler: {family.label} has none; give its folder "
-                         "with --upsampler (with single files: --latent-upscaler FILE)")
-    m = 2 * family.vae_scale_spatial
-    if settings.height % m or settings.width % m:
-        raise InputError(f"--two-stage samples at half the size first: height and width must be multiples of {m} "
-                         f"(got {settings.height}x{settings.width}; e.g. {settings.height // m * m or m}x"
-                         f"{settings.width // m * m or m})")
-    if settings.cache is not None:
-        raise InputError("--cache with --two-stage: step caching is not offered for LTX-2; leave --cache out")
-    first = dataclasses.replace(settings, height=settings.height // 2, width=settings.width // 2, loras_2=())
-    refine = dataclasses.replace(settings, steps=3, sigmas="stage2", guidance=1.0, audio_guidance=1.0, stg_scale=0.0,
-                                 modality_scale=1.0, loras=settings.loras + settings.loras_2, loras_2=())
-    return first, refine
 
 
 def write_mag_ratios(out: Path, calibrated: dict[str, list[float]]) -> Path:

@@ -1,5 +1,6 @@
 """Command-line options more than one command shares, defined once: the single-file options (one per file role any
-family loads, from the registry) and the step cache's."""
+family loads), the families' own settings and recipes (each family's declaration's, from the registry) and the step
+cache's."""
 
 from __future__ import annotations
 
@@ -13,7 +14,37 @@ def add_file_args(p: argparse.ArgumentParser) -> None:
     families = ", ".join(s.display_name for s in registry.FAMILIES if s.file_roles)
     files = p.add_argument_group(f"ComfyUI's single files, in place of --model ({families})")
     for role in registry.file_roles().values():
-        files.add_argument(role.flag, dest=f"file_{role.name}", metavar="FILE", help=role.help)
+        files.add_argument(role.flag, dest=f"file_{role.name}", metavar="DIR" if role.directory else "FILE",
+                           help=role.help)
+
+
+def add_family_args(p: argparse.ArgumentParser, stages=("sample", "decode", "open")) -> None:
+    """One option per setting of ``stages`` any family declares, and one per recipe, in a group per family; a
+    setting left out is None (the model's default)."""
+    from ..families import registry
+
+    seen = set()
+    for spec in registry.FAMILIES:
+        settings = [s for s in spec.settings if s.cli and s.stage in stages and s.option not in seen]
+        recipes = [r for r in spec.recipes if r.option not in seen] if "sample" in stages else []
+        if not settings and not recipes:
+            continue
+        group = p.add_argument_group(f"{spec.display_name} (each left out: the model's default)")
+        for setting in settings:
+            seen.add(setting.option)
+            whose = registry.owners(registry.settings_of(setting.stage)[setting.option][1])
+            help = setting.help if setting.kind is bool else f"{setting.help} (default: {setting.default_text()})"
+            if whose != spec.display_name:
+                help = f"{whose}: {help}"
+            if setting.kind is bool:
+                group.add_argument(setting.option, dest=setting.dest, action="store_true", default=None, help=help)
+            else:
+                group.add_argument(setting.option, dest=setting.dest, help=help, type=setting.kind if not
+                                   setting.choices else str, choices=setting.choices or None)
+        for recipe in recipes:
+            seen.add(recipe.option)
+            group.add_argument(recipe.option, dest="recipe", action="store_const", const=recipe.name,
+                               help=recipe.help)
 
 
 def file_args(args: argparse.Namespace) -> dict[str, str]:
@@ -25,8 +56,9 @@ def add_cache_args(p: argparse.ArgumentParser, calibrate: bool = True) -> None:
     g = p.add_argument_group("step caching (skip transformer passes; frames equal diffusers' MagCache and "
                              "FirstBlockCache hooks)")
     g.add_argument("--cache", choices=["none", "magcache", "first-block"], default="none",
-                   help="magcache: skips fixed in advance by calibrated ratios (shipped for the released Wan models);"
-                   " first-block: skip when the first block's output barely changes (one number read back a step)")
+                   help="magcache: skips fixed in advance by calibrated ratios (published ones ship for some "
+                   "released models); first-block: skip when the first block's output barely changes (one number "
+                   "read back a step)")
     g.add_argument("--cache-threshold", type=float, help="skip while the error stays at or under this (default: "
                    "0.06 magcache, 0.05 first-block, as diffusers)")
     g.add_argument("--cache-max-skip", type=int, help="magcache: at most this many steps skipped in a row "

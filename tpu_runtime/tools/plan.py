@@ -45,7 +45,7 @@ from .topology import _SLICE_SIZES, _TENSORCORE_NAMED, EXAMPLES, GIB, Topology, 
 
 log = logging.getLogger(__name__)
 
-STAGES = ("encode", "image", "sample", "decode")  # image: image-to-video models only
+STAGES = ("encode", "image", "sample", "decode")  # image: image-to-video models only; a family may add its own
 
 
 # --- reports ---------------------------------------------------------------------------------------------------
@@ -155,7 +155,8 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
          dtype: str = "bfloat16", attention=None, fsdp: bool = False, vae_sharding: str = "auto",
          stages=STAGES, layers: int | None = None, max_candidates: int = 3, every_stage: bool = False,
          cache: str = "none") -> PlanReport:
-    """Compile ``stages`` of one generation for ``topology`` and report per-chip memory and what fits.
+    """Compile ``stages`` of one generation for ``topology`` and report per-chip memory and what fits (the
+    stages every family has, and the family's own).
 
     With no ``mesh``, up to ``max_candidates`` meshes are compiled and the fitting one with the least per-chip
     memory is chosen. Bad input raises ``InputError`` before anything compiles. Once a mesh's answer is "does not
@@ -170,29 +171,26 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
 
     start = time.perf_counter()
     topo = topology if isinstance(topology, Topology) else parse_topology(topology)
-    unknown = sorted(set(stages) - set(STAGES))
-    if unknown or not stages:
-        raise InputError(f"stages {unknown or 'none'}: choose from {', '.join(STAGES)}")
+    if not stages:
+        raise InputError(f"stages none: choose from {', '.join(STAGES)}")
     if cache not in METHODS:
         raise InputError(f"cache {cache!r}: choose from {', '.join(METHODS)}")
     devices = topo.devices()
     get_runtime()  # torchax and the attention override
     with tempfile.TemporaryDirectory() as work:
-        base = open_abstract(source, devices, Path(work), mesh=mesh, dtype=dtype, attention=attention, fsdp=fsdp,
-                             vae_sharding=vae_sharding, layers=layers)
-        nh, nw, nf = base.native_size()
-        sampling = release_sampling(source)
-        if guidance is not None:
-            sampling["guidance"] = float(guidance)
-        if steps is not None:
-            sampling["steps"] = steps
-        sampling.setdefault("guidance", base.DEFAULT_GUIDANCE)
-        sampling.setdefault("steps", 50)
-        settings = SampleSettings(height or nh, width or nw, frames or nf, **sampling)
+        def opened(on_mesh):
+            return open_abstract(source, devices, Path(work), mesh=on_mesh, dtype=dtype, attention=attention,
+                                 fsdp=fsdp, vae_sharding=vae_sharding, layers=layers)
+
+        base = opened(mesh)
+        known = STAGES + base.SPEC.stages
+        unknown = sorted(set(stages) - set(known))
+        if unknown:
+            raise InputError(f"stages {unknown}: choose from {', '.join(known)}")
+        settings = planned_settings(base, source, height, width, frames, guidance, steps)
         cfg = base.uses_cfg(settings)
         if parse_mesh(mesh) is None and not cfg and base.mesh_spec != default_mesh(len(devices), base.heads, cfg):
-            base = open_abstract(source, devices, Path(work), mesh=default_mesh(len(devices), base.heads, cfg),
-                                 dtype=dtype, attention=attention, fsdp=fsdp, vae_sharding=vae_sharding, layers=layers)
+            base = opened(default_mesh(len(devices), base.heads, cfg))
         base.plan_programs(settings)  # every input checked (sizes, mesh vs CFG) before anything compiles
         if parse_mesh(mesh) is not None:
             meshes = [base.mesh_spec]
@@ -201,9 +199,7 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
         results = []
         with _no_persistent_cache():
             for spec in meshes:
-                family = base if spec == base.mesh_spec else open_abstract(
-                    source, devices, Path(work), mesh=spec, dtype=dtype, attention=attention, fsdp=fsdp,
-                    vae_sharding=vae_sharding, layers=layers)
+                family = base if spec == base.mesh_spec else opened(spec)
                 results.append(_plan_mesh(family, settings, stages, topo, every_stage, cache))
         fitting = [r for r in results if r.fits]
         chosen = min(fitting or results, key=lambda r: r.peak_bytes_per_chip)
@@ -225,6 +221,22 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
     report.seconds = round(time.perf_counter() - start, 1)
     report.host_peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return report
+
+
+def planned_settings(family, source: ModelSource, height=None, width=None, frames=None, guidance=None,
+                     steps=None) -> SampleSettings:
+    """The settings a plan compiles for: the sizes given, else the model's native ones; ``guidance`` and
+    ``steps`` given, else the release's own (a distilled model's), else the family's defaults; every other setting
+    the release's or the model's default."""
+    nh, nw, nf = family.native_size()
+    sampling = release_sampling(source)
+    if guidance is not None:
+        sampling["guidance"] = float(guidance)
+    if steps is not None:
+        sampling["steps"] = steps
+    sampling.setdefault("guidance", family.DEFAULT_GUIDANCE)
+    sampling.setdefault("steps", family.DEFAULT_STEPS)
+    return SampleSettings(height or nh, width or nw, frames or nf, **sampling)
 
 
 def _with_step_cache(family, programs: list, method: str, cfg: bool) -> tuple[list, int, dict]:
@@ -264,9 +276,8 @@ def _plan_mesh(family, settings: SampleSettings, stages, topo: Topology, every_s
         every, held, cache_inputs = _with_step_cache(family, every, cache, family.uses_cfg(settings))
     programs = [p for stage in stages for p in every if p.stage == stage]
     components = sorted({c for p in every for c in p.components})
-    for c in components:  # a program names every component it takes turns with (Wan 2.2's second expert)
-        family._component(c)
-    weights = {c: shard_bytes(family._states[c]) for c in components}
+    # a program names every component it takes turns with (a two-expert model's second expert)
+    weights = {c: shard_bytes(family.state(c)) for c in components}
     report = MeshReport(str(family.mesh_spec), False, sum(weights.values()) + held, 0, step_cache_bytes_per_chip=held)
     _PROGRESS["stages"] = report.stages
     verdict = None
@@ -342,7 +353,7 @@ def suggestions(source: ModelSource, family, report: MeshReport, topo: Topology,
 
     def weights_for(mesh_spec: MeshSpec, fsdp: bool, devices) -> int:
         mesh = runtime.make_mesh(mesh_spec, devices)
-        return sum(shard_bytes(runtime.abstract_state(family._parts[n], mesh, family._rules_for(n),
+        return sum(shard_bytes(runtime.abstract_state(family.component(n), mesh, family.rules_for(n),
                                                       fsdp and n not in family.FSDP_SKIPS))
                    for n in names)
 
@@ -405,7 +416,7 @@ def _activation_bytes(stage: StageReport) -> int:
 
 def _settings_of(family) -> SampleSettings:
     h, w, f = family.native_size()
-    return SampleSettings(h, w, f, guidance=family.DEFAULT_GUIDANCE)
+    return SampleSettings(h, w, f, steps=family.DEFAULT_STEPS, guidance=family.DEFAULT_GUIDANCE)
 
 
 # --- printing --------------------------------------------------------------------------------------------------
@@ -489,8 +500,9 @@ def add_args(parser) -> None:
     parser.add_argument("--frames", type=int, help="default: the model's native length")
     parser.add_argument("--guidance", type=float, help="CFG scale; 1 or less plans without CFG (batch 1); "
                         "default: the model's")
-    parser.add_argument("--steps", type=int, help="sampling steps (the scheduler's plan); default: 50, or the "
-                        "release's (a distilled model's 8)")
+    parser.add_argument("--steps", type=int, help="sampling steps (the scheduler's plan); default: the release's "
+                        "(a distilled model's 8), else the family's ("
+                        + ", ".join(f"{s.display_name} {s.sampling.steps}" for s in registry.FAMILIES) + ")")
     parser.add_argument("--mesh", help="dp=N,sp=N,tp=N; default: try candidate meshes and pick the smallest fit")
     parser.add_argument("--candidates", type=int, default=3, help="how many meshes to try without --mesh (1: the "
                         "default mesh only)")
@@ -505,7 +517,7 @@ def add_args(parser) -> None:
     parser.add_argument("--vae-sharding", default="auto", choices=["auto", "width", "replicated"],
                         help="the decode's layout (auto: width on more than one chip)")
     parser.add_argument("--stages", default=",".join(STAGES), help="comma list of encode,image,sample,decode "
-                        "(image: image-to-video models)")
+                        "(image: image-to-video models) and a family's own stages")
     parser.add_argument("--every-stage", action="store_true", help="compile every stage even once the verdict is "
                         "\"does not fit\" (by default the rest are skipped: their compiles cannot change it)")
     parser.add_argument("--cache", choices=["none", "magcache", "first-block"], default="none",
@@ -529,28 +541,6 @@ def _native_names() -> list[str]:
     return list(ARCHITECTURES)
 
 
-def run_native(args) -> int:
-    """``plan --comfy-model``: each topology given, the bridged step (and our family's beside it)."""
-    from dataclasses import asdict
-
-    from ..engine.attention import AttentionConfig
-    from .plan_native import check_args, format_native_report, plan_native
-
-    check_args(args)
-    attention = AttentionConfig(impl=args.attention, block_q=args.block_q, block_kv=args.block_kv,
-                                block_kv_compute=args.block_kv_compute, exp2=args.exp2)
-    reports = []
-    for topology in [parse_topology(t) for t in args.topology.split(",")]:
-        report = plan_native(args.comfy_model, args.comfy, topology, height=args.height, width=args.width,
-                             frames=args.frames, guidance=args.guidance, mesh=args.mesh, layers=args.layers,
-                             attention=attention, compare=not args.no_compare)
-        print(format_native_report(report), flush=True)
-        reports.append(asdict(report))
-        if args.json:
-            Path(args.json).write_text(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
-    return 0 if all(r["fits"] for r in reports) else 3
-
-
 class PlanStopped(BaseException):
     """SIGINT or SIGTERM arrived while planning (a BaseException, like KeyboardInterrupt: no handler of compile
     errors may take it for one)."""
@@ -570,11 +560,6 @@ def run(args) -> int:
     from ..engine.validation import check_number
     from .options import file_args
 
-    if getattr(args, "comfy_model", None):
-        for name, value in (("--height", args.height), ("--width", args.width), ("--frames", args.frames),
-                            ("--layers", args.layers)):
-            check_number(name, value, minimum=1, integer=True, optional=True)
-        return run_native(args)
     for name, value in (("--height", args.height), ("--width", args.width), ("--frames", args.frames)):
         check_number(name, value, minimum=1, integer=True, optional=True)
     check_number("--steps", args.steps, minimum=1, integer=True, optional=True)

@@ -8,12 +8,9 @@ models (``demo``, ``bench``, the tests). This file declares the family to the re
 
 from __future__ import annotations
 
-from ..spec import Demo, FamilySpec, NodeSpec, SamplerNode
+from ..spec import Demo, FamilySpec, NodeSpec, SamplerNode, Sampling, Setting
 
-
-def _sampler_settings(inputs: dict) -> dict:
-    return {"dynamic_cfg": bool(inputs.get("dynamic_cfg", False))}
-
+GROUP_NORMS = ("stock", "jnp_var")  # the VAE GroupNorm's lowerings: torchax's own, one vectorised jnp.var
 
 SPEC = FamilySpec(
     name="cogvideox",
@@ -29,6 +26,19 @@ SPEC = FamilySpec(
     folder_names=("diffusers", "CogVideo"),
     architectures="architectures:ARCHITECTURES",
     step_cache=True,
+    sampling=Sampling(steps=50, guidance=6.0, schedulers=("ddim", "dpm")),
+    settings=(
+        Setting("dynamic_cfg", bool, "CogVideoX's cosine guidance schedule", default=False),
+        Setting("tiling", bool, "decode in spatial tiles (large frames)", default=False, stage="decode",
+                flag="--vae-tiling"),
+        Setting("group_norm", str, "the VAE GroupNorm's lowering: torchax's own (stock) or one vectorised jnp.var "
+                "reduction", default="stock", choices=GROUP_NORMS, stage="decode", node=None),
+        Setting("loop", str, "the decode's programs: the first two latent batches then one call per later batch, "
+                "or one program holding every batch", choices=("batches", "unrolled"), default_help="batches",
+                stage="decode", cli=False, node=None),
+    ),
+    lora_keys=r"transformer_blocks[._]\d+",
+    bench={"load-folder": "bench:folder_load"},
     demos={"2b": Demo("tiny:build_tiny_cogvideox", ("2b",), 64, 96, 9),
            "5b": Demo("tiny:build_tiny_cogvideox", ("5b",), 64, 96, 9),
            "1.5": Demo("tiny:build_tiny_cogvideox", ("1.5",), 64, 64, 17)},
@@ -43,11 +53,8 @@ SPEC = FamilySpec(
         image_encode_doc="CogVideoX-5b-I2V / 1.5-I2V: the first frame VAE-encoded on the devices; the sampler draws "
                          "from it.",
         sampler=SamplerNode(
-            width=720, height=480, frames=49, frames_tip="8N+1 for 2b/5b (49 native), 16N+1 for 1.5 (81 native)",
-            guidance=6.0, schedulers=("ddim", "dpm"), required={"dynamic_cfg": ("BOOLEAN", {"default": False})},
-            settings=_sampler_settings),
+            width=720, height=480, frames=49, frames_tip="8N+1 for 2b/5b (49 native), 16N+1 for 1.5 (81 native)"),
         image_size=(720, 480, 49),
         image_frames_tip="the sampler's frames: 8N+1 for 5b-I2V (49), 16N+1 for 1.5-I2V (81)",
-        decode_inputs={"tiling": ("BOOLEAN", {"default": False, "tooltip": "spatial tiles, for large frames"})},
     ),
 )

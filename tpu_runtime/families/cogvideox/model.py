@@ -29,17 +29,18 @@ from typing import Callable
 import torch
 
 from ...engine.attention import AttentionConfig
-from ...engine.family import ComponentSource, ModelFamily, builder, model_class
+from ...engine.components import ComponentSource, builder, model_class
+from ...engine.family import ModelFamily
 from ...engine.folders import inspect_family_folder, read_config, resolve_model_path
 from ...engine.runtime import Runtime
 from ...engine.sharding import MeshSpec
-from ...engine.stages import ImageConditioning, SampleSettings, TextEmbeddings, VideoLatents, config_signature
+from ...engine.stages import (ImageConditioning, SampleSettings, SamplingRun, TextEmbeddings, VideoLatents,
+                              config_signature)
 from ...engine.stepcache import BlockSpec
-from ...engine.streaming import run_streamed
 from ...engine.validation import frame_problem, raise_problems, size_problems
-from ...errors import InputError, ModelFolderError, StageFileError
+from ...errors import InputError, ModelFolderError
 from . import SPEC
-from .programs import GROUP_NORMS, CogVideoXFunctionalAttnProcessor, CogVideoXPrograms
+from .programs import CogVideoXFunctionalAttnProcessor, CogVideoXPrograms
 from .rules import RULES
 from .schedule import cogvideox_plan
 
@@ -75,13 +76,11 @@ def frame_rule(generation: str) -> int:
 class CogVideoXFamily(CogVideoXPrograms, ModelFamily):
     """A loaded CogVideoX model. Components load and move to the devices on first use, once."""
 
-    FAMILY = SPEC.name
-    FAMILY_NAME = SPEC.display_name
+    SPEC = SPEC
     RULES = RULES
     # diffusers' CogVideoXTransformer3DModel.transformer_blocks take and return the video and the text tokens;
     # MagCache's residual covers the video tokens (the text tokens pass through: nothing reads them after the
     # blocks). The pipelines call CFG's two passes as one batch ("cond_uncond"): one cache state.
-    OWN_SETTINGS = frozenset({"dynamic_cfg"})
     STEP_CACHE_BLOCKS = BlockSpec("transformer_blocks", streams=("hidden_states", "encoder_hidden_states"),
                                   mag_streams=("hidden_states",))
     CFG_CONTEXTS = "batch"
@@ -165,9 +164,6 @@ class CogVideoXFamily(CogVideoXPrograms, ModelFamily):
     def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
         return latents / float(self.vae_config.get("scaling_factor", 1.15258426))
 
-    def decode_variants(self) -> dict[str, tuple]:
-        return {"group_norm": GROUP_NORMS}
-
     # --- validation ------------------------------------------------------------------------------------------
     def validate(self, height: int, width: int, num_frames: int) -> None:
         """Raise ``InputError`` for sizes this model cannot take, before anything compiles."""
@@ -189,20 +185,9 @@ class CogVideoXFamily(CogVideoXPrograms, ModelFamily):
         problem = frame_problem(num_frames, frame_rule(self.generation), native, f"CogVideoX-{self.generation}")
         raise_problems(problems + ([problem] if problem else []))
 
-    def validate_settings(self, s: SampleSettings) -> None:
-        """Options of another family are refused, never silently ignored."""
-        for name, value, fix in (("shift", s.shift, "flow shift is a Wan option"),
-                                 ("guidance_2", s.guidance_2, "only two-expert Wan 2.2 models have a second guidance"),
-                                 ("boundary", s.boundary, "only two-expert Wan 2.2 models have a boundary")):
-            if value is not None:
-                raise InputError(f"{name}={value} does not apply to CogVideoX ({fix}): leave it unset")
-        if s.scheduler is not None and s.scheduler not in SCHEDULERS:
-            raise InputError(f"scheduler {s.scheduler!r} is not one CogVideoX uses: pick one of {sorted(SCHEDULERS)}")
-        self.lora_targets(s)
-
     # --- stage 1: text -----------------------------------------------------------------------------------------
     def tokenize(self, texts: list[str]) -> tuple[torch.Tensor]:
-        tokenizer = self._component("tokenizer")
+        tokenizer = self.component("tokenizer")
         ids = tokenizer(
             texts, padding="max_length", max_length=self.text_len, truncation=True,
             add_special_tokens=True, return_tensors="pt",
@@ -224,7 +209,8 @@ class CogVideoXFamily(CogVideoXPrograms, ModelFamily):
         self.check_images(image is not None, last_image is not None)
         self.validate(height, width, num_frames)
         pixels = video_image(image, height, width)[:, :, None]  # [1, 3, 1, H, W]
-        (mean, std), = run_streamed(self, [self.image_program(height, width)], [self.put(pixels.to(self.dtype))], ())
+        (mean, std), = self.run_stage(self.image_programs(height, width, num_frames),
+                                      [self.put(pixels.to(self.dtype))])
         return ImageConditioning(mean, height, width, num_frames, self.signature, latents_std=std)
 
     def _image_latents(self, image: ImageConditioning, shape: tuple[int, ...], generator) -> torch.Tensor:
@@ -282,97 +268,67 @@ class CogVideoXFamily(CogVideoXPrograms, ModelFamily):
     def _has_ofs(self) -> bool:
         return self.transformer_config.get("ofs_embed_dim") is not None
 
-    def sample(
-        self,
-        embeddings: TextEmbeddings,
-        settings: SampleSettings,
-        on_step: Callable[[int, int], None] | None = None,
-        should_stop: Callable[[], bool] | None = None,
-        image: ImageConditioning | None = None,
-    ) -> VideoLatents:
-        """Denoise from seeded noise; ``on_step(i, total)`` after each step, ``should_stop()`` before each.
-        Image-to-video models take the first frame's ``image`` encoding."""
-        import time
-
+    def sampling_run(self, embeddings: TextEmbeddings, s: SampleSettings, cfg: bool,
+                     image: ImageConditioning | None = None, latents: VideoLatents | None = None) -> SamplingRun:
+        """Seeded noise, denoised with the scheduler's per-step coefficients; image-to-video models take the first
+        frame's ``image`` encoding. Random draws, on CPU, in diffusers' order: (image-to-video) the image's
+        posterior sample, the initial noise, then (DPM) the noise of every step."""
         from diffusers.utils.torch_utils import randn_tensor
 
-        s = settings
-        cfg = s.guidance > 1.0
-        self.check_sample(embeddings, s, image, cfg)
         scheduler = self.scheduler(s.scheduler)
         stochastic = type(scheduler).__name__ == SCHEDULERS["dpm"]
         shape, pad = self.latent_shape(s.height, s.width, s.num_frames)
         program = self.sample_program(s.height, s.width, s.num_frames, cfg)
-        run = self.step_function(program, s, ["transformer"] * s.steps, cfg, image=image is not None)
-        state = program.example[0]
-
-        # Random draws, on CPU, in diffusers' order: (image-to-video) the image's posterior sample, the initial
-        # noise, then (DPM) the noise of every step.
         generator = torch.Generator("cpu").manual_seed(int(s.seed))
+        draw = lambda: randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=self.dtype)  # noqa: E731
         image_dev = None if image is None else self.put(self._image_latents(image, shape, generator))
-        latents = randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=self.dtype)
-        latents = latents * scheduler.init_noise_sigma
+        noise = draw() * scheduler.init_noise_sigma
         scheduler.set_timesteps(s.steps, device="cpu")
         timesteps = scheduler.timesteps
-        plan = cogvideox_plan(scheduler, timesteps, s.guidance, s.dynamic_cfg, dpm=stochastic)
+        plan = cogvideox_plan(scheduler, timesteps, s.guidance, self.option(s, "dynamic_cfg"), dpm=stochastic)
 
         put = self.put
-        embeds = torch.cat([embeddings.negative_prompt_embeds, embeddings.prompt_embeds]) if cfg \
-            else embeddings.prompt_embeds
-        embeds_dev = put(embeds.to(self.dtype), ("dp",))
+        embeds_dev = self.cfg_batch(embeddings.prompt_embeds, embeddings.negative_prompt_embeds, cfg)
         rope = self._rotary_embeddings(s.height, s.width, shape[1])
         rope_dev = put(rope) if rope is not None else None
         noise_zero = put(torch.zeros(shape, dtype=self.dtype))  # DDIM adds no noise (its coefficient D is 0)
         old_x0 = put(torch.zeros(shape, dtype=torch.float32))  # no previous x0 before the first step (Q is 0)
-        carry = {"latents": put(latents), "old_x0": old_x0}
-        ofs_dev = self.put(torch.full((1,), 2.0, dtype=self.dtype)) if self._has_ofs() else None  # diffusers' ofs
+        ofs_dev = put(torch.full((1,), 2.0, dtype=self.dtype)) if self._has_ofs() else None  # diffusers' ofs
 
-        def step(i):
-            noise = noise_zero
+        def arguments(i, carry):
+            step_noise = noise_zero
             if stochastic:
-                noise = randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=self.dtype)
+                step_noise = draw()
                 if plan.second_draw[i]:
-                    noise = randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=self.dtype)
-                noise = put(noise)
-            carry["latents"], carry["old_x0"] = run(
-                i, state, carry["latents"], embeds_dev, put(torch.tensor([int(timesteps[i])], dtype=torch.int32)),
-                put(torch.from_numpy(plan.coeffs[i])), noise, carry["old_x0"], rope_dev, image_dev, ofs_dev,
-            )
-            return carry["latents"]
+                    step_noise = draw()
+                step_noise = put(step_noise)
+            latents_dev, previous_x0 = carry
+            return (latents_dev, embeds_dev, put(torch.tensor([int(timesteps[i])], dtype=torch.int32)),
+                    put(torch.from_numpy(plan.coeffs[i])), step_noise, previous_x0, rope_dev, image_dev, ofs_dev)
 
-        try:
-            self.run_steps(len(timesteps), step, on_step, should_stop)
-        finally:
-            self.finish_step_cache()
-        start = time.perf_counter()
-        result = self.runtime.to_cpu(carry["latents"])
-        self._record_run("sample", start)
-        result = result[:, pad:].permute(0, 2, 1, 3, 4).float().contiguous()
-        return VideoLatents(result, s.height, s.width, s.num_frames, self.signature)
+        def finish(carry):
+            result = self.runtime.to_cpu(carry[0])[:, pad:].permute(0, 2, 1, 3, 4).float().contiguous()
+            return VideoLatents(result, s.height, s.width, s.num_frames, self.signature)
+
+        return SamplingRun(program, ["transformer"] * len(timesteps), (put(noise), old_x0), arguments, finish)
 
     # --- stage 3: decode ---------------------------------------------------------------------------------------
-    def decode(self, latents: VideoLatents, tiling: bool = False, group_norm: str = "stock") -> torch.Tensor:
-        """Frames ``[F, H, W, 3]`` float32 in 0..1 from stage-2 latents."""
-        if group_norm not in GROUP_NORMS:
-            raise InputError(f"group_norm must be one of {GROUP_NORMS}, got {group_norm!r}")
-        self.check_made_here(latents)
-        z = latents.latents
-        channels = int(self.vae_config["latent_channels"])
-        if z.ndim != 5 or z.shape[0] != 1 or z.shape[1] != channels:
-            raise StageFileError(
-                f"latents have shape {tuple(z.shape)}; this model's VAE decodes [1, {channels}, T, H/8, W/8]"
-            )
-        programs = self.decode_programs(tuple(z.shape), tiling, group_norm)
-        z_dev = self.put(z.to(self.dtype), self._vae_input_spec(z.shape))
-        return torch.cat(run_streamed(self, programs, [z_dev], self._later_batches(z.shape[2])))
+    def latent_channels(self) -> int:
+        return int(self.vae_config["latent_channels"])
 
-    def _batch_starts(self, latent_frames: int) -> list[int]:
-        """Where each latent batch starts: diffusers' ``_decode`` takes ``num_latent_frames_batch_size`` frames a
-        batch, and the first batch takes the remainder as well."""
-        size = int(self._component("vae").num_latent_frames_batch_size)
-        batches, rest = max(latent_frames // size, 1), latent_frames % size
-        return [0] + [size * i + rest for i in range(1, batches)]
+    def decode_inputs(self, z: torch.Tensor) -> list:
+        return [self.put(z.to(self.dtype), self.vae_input_spec(z.shape))]
+
+    def decode_chunks(self, z_shape: tuple[int, ...]) -> list[int]:
+        return self._later_batches(z_shape[2])
 
     def _later_batches(self, latent_frames: int) -> list[int]:
         """Where each batch after the first two starts (the later-batch program's calls)."""
         return self._batch_starts(latent_frames)[2:]
+
+    def _batch_starts(self, latent_frames: int) -> list[int]:
+        """Where each latent batch starts: diffusers' ``_decode`` takes ``num_latent_frames_batch_size`` frames a
+        batch, and the first batch takes the remainder as well."""
+        size = int(self.component("vae").num_latent_frames_batch_size)
+        batches, rest = max(latent_frames // size, 1), latent_frames % size
+        return [0] + [size * i + rest for i in range(1, batches)]

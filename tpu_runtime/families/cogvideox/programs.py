@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from ...engine.family import forwards_replaced
+from ...engine.compiled import forwards_replaced
 from ...engine.stages import SampleSettings, StageProgram
 from ...engine.streaming import streamed_programs, to_frames
 from ...errors import InputError
 from .schedule import COGVIDEOX_COEFFS
-
-GROUP_NORMS = ("stock", "jnp_var")
 _C_SAMPLE, _C_MODEL, _C_DIV, _A, _M1, _P, _Q, _D, _GUIDANCE = range(len(COGVIDEOX_COEFFS))
 
 
@@ -25,21 +23,21 @@ class CogVideoXPrograms:
 
     def encode_program(self) -> StageProgram:
         """T5 over token ids ``[negative, positive]`` padded to the transformer's text length."""
-        self._component("text_encoder")
-        encoder_fn = self.runtime.module_function(self._parts["text_encoder"])
+        encoder_fn = self.runtime.module_function(self.component("text_encoder"))
         dtype = self.model_dtype()
 
         def encode_fn(state, ids):
             return encoder_fn(state, ids)[0].astype(dtype)
 
         shape = (2, self.text_len)
-        return StageProgram("encode", encode_fn, (self._states["text_encoder"], self.arg(shape, torch.int32)),
+        return StageProgram("encode", encode_fn, (self.state("text_encoder"), self.arg(shape, torch.int32)),
                             (self.dtype_name, shape), f"T5 text encoder for {self.text_len} tokens", self.traced,
                             ("text_encoder",))
 
-    def image_program(self, height: int, width: int) -> StageProgram:
-        """The VAE encoder over one frame ``[1, 3, 1, H, W]``: the posterior's mean and std ``[1, C, 1, h, w]``."""
-        vae = self._component("vae")
+    def image_programs(self, height: int, width: int, num_frames: int, images: int = 1) -> list[StageProgram]:
+        """The VAE encoder over the first frame ``[1, 3, 1, H, W]``: the posterior's mean and std
+        ``[1, C, 1, h, w]``."""
+        vae = self.component("vae")
         vae.use_tiling = False
 
         def posterior(module, pixels):
@@ -47,10 +45,10 @@ class CogVideoXPrograms:
             return dist.mean, dist.std
 
         encode_fn = self.runtime.module_function(vae, posterior)
-        example = (self._states["vae"], self.arg((1, 3, 1, height, width), self.dtype))
-        return StageProgram("image", encode_fn, example, (self.dtype_name, height, width),
-                            f"VAE encode of the first frame at {width}x{height}",
-                            self.traced(lambda: _vae_for_xla(vae, "stock")), ("vae",))
+        example = (self.state("vae"), self.arg((1, 3, 1, height, width), self.dtype))
+        return [StageProgram("image", encode_fn, example, (self.dtype_name, height, width),
+                             f"VAE encode of the first frame at {width}x{height}",
+                             self.traced(lambda: _vae_for_xla(vae, "stock")), ("vae",))]
 
     def sample_program(self, height: int, width: int, num_frames: int, cfg: bool) -> StageProgram:
         """One denoising step: CFG batch, transformer, guidance and the scheduler update, coefficients as arrays.
@@ -59,8 +57,7 @@ class CogVideoXPrograms:
         import jax.numpy as jnp
 
         shape, _ = self.latent_shape(height, width, num_frames)
-        self._component("transformer")
-        transformer_fn = self.runtime.module_function(self._parts["transformer"])
+        transformer_fn = self.runtime.module_function(self.component("transformer"))
         model_dtype = self.model_dtype()
         batch_sharding = self.runtime.sharding(self.mesh, ("dp",))
         replicated = self.runtime.sharding(self.mesh)
@@ -85,7 +82,7 @@ class CogVideoXPrograms:
         embeds_shape = (2 if cfg else 1, self.text_len, int(self.transformer_config["text_embed_dim"]))
         rope = self._rotary_embeddings(height, width, shape[1])
         arg = self.arg
-        example = (self._states["transformer"], arg(shape, self.dtype), arg(embeds_shape, self.dtype, ("dp",)),
+        example = (self.state("transformer"), arg(shape, self.dtype), arg(embeds_shape, self.dtype, ("dp",)),
                    arg((1,), torch.int32), arg((len(COGVIDEOX_COEFFS),), torch.float32), arg(shape, self.dtype),
                    arg(shape, torch.float32), tuple(arg(t.shape, t.dtype) for t in rope) if rope else None,
                    arg(shape, self.dtype) if self.image_input != "none" else None,
@@ -99,11 +96,11 @@ class CogVideoXPrograms:
     def plan_programs(self, s: SampleSettings) -> list[StageProgram]:
         """Every program one generation with settings ``s`` runs, for ``plan`` to compile."""
         self.check_settings(s)
-        cfg = s.guidance > 1.0
+        cfg = self.uses_cfg(s)
         self.check_cfg_mesh(cfg)
         shape, pad = self.latent_shape(s.height, s.width, s.num_frames)
-        z_shape = (1, int(self.vae_config["latent_channels"]), shape[1] - pad, shape[3], shape[4])
-        image = [self.image_program(s.height, s.width)] if self.image_input != "none" else []
+        z_shape = (1, self.latent_channels(), shape[1] - pad, shape[3], shape[4])
+        image = self.image_programs(s.height, s.width, s.num_frames) if self.image_input != "none" else []
         return [self.encode_program(), *image, self.sample_program(s.height, s.width, s.num_frames, cfg),
                 *self.decode_programs(z_shape)]
 
@@ -114,26 +111,27 @@ class CogVideoXPrograms:
     #: decode, its own loop over tiles and batches) is always one program.
     decode_loop = "batches"
 
-    def decode_programs(self, z_shape: tuple[int, ...], tiling: bool = False,
-                        group_norm: str = "stock") -> list[StageProgram]:
+    def decode_programs(self, z_shape: tuple[int, ...], tiling: bool = False, group_norm: str = "stock",
+                        loop: str | None = None) -> list[StageProgram]:
         """The programs that decode latents ``[1, C, T, h, w]`` to frames ``[F, H, W, 3]`` in 0..1: one program
-        (tiling, ``decode_loop = "unrolled"`` or up to two batches), or the first two batches' program and the later
-        batches' program (``decode_loop``)."""
+        (tiling, ``loop`` "unrolled" or up to two batches), or the first two batches' program and the later
+        batches' program (``loop`` "batches"; None: ``decode_loop``)."""
         import jax
 
-        if self.decode_loop not in ("unrolled", "batches"):
-            raise InputError(f"decode_loop {self.decode_loop!r} is not one of batches, unrolled")
-        vae = self._component("vae")
+        loop = loop or self.decode_loop
+        if loop not in ("unrolled", "batches"):
+            raise InputError(f"decode_loop {loop!r} is not one of batches, unrolled")
+        vae = self.component("vae")
         vae.use_tiling = bool(tiling)
         scaling = float(self.vae_config.get("scaling_factor", 1.15258426))
         frames = (z_shape[2] - 1) * self.vae_scale_temporal + 1
         height, width = z_shape[3] * self.vae_scale_spatial, z_shape[4] * self.vae_scale_spatial
         what = f"VAE decode for {frames}x{height}x{width}"
-        example = (self._states["vae"], self.arg(z_shape, self.dtype, self._vae_input_spec(z_shape)))
+        example = (self.state("vae"), self.arg(z_shape, self.dtype, self.vae_input_spec(z_shape)))
         key = (self.dtype_name, tuple(z_shape), bool(tiling), group_norm, self.vae_sharding)
         scope = self.traced(lambda: _vae_for_xla(vae, group_norm))
         starts = self._batch_starts(z_shape[2])
-        if tiling or self.decode_loop == "unrolled" or len(starts) <= 2:
+        if tiling or loop == "unrolled" or len(starts) <= 2:
             decode_fn = self.runtime.module_function(vae, "decode")
 
             def frames_fn(state, z):
@@ -220,7 +218,8 @@ def _vae_for_xla(vae: torch.nn.Module, group_norm: str):
 
 
 def group_norm_jnp_var(x, weight, bias, groups: int, eps: float):
-    """GroupNorm over ``[B, C, ...]`` as one vectorised ``jnp.mean``/``jnp.var`` reduction (seed 000's form)."""
+    """GroupNorm over ``[B, C, ...]`` as one vectorised ``jnp.mean``/``jnp.var`` reduction (``group_norm
+    jnp_var``: measured against torchax's own lowering by ``bench``)."""
     import jax.numpy as jnp
 
     b, c = x.shape[:2]

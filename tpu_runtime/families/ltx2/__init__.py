@@ -10,17 +10,31 @@ configs (``plan``); ``tiny.py`` builds tiny random-weight models. This file decl
 
 from __future__ import annotations
 
-from ..spec import Demo, FamilySpec, FileRole, FilesLoaderNode, NodeSpec, SamplerNode
+from ..spec import Demo, FamilySpec, FileRole, FilesLoaderNode, NodeSpec, Recipe, SamplerNode, Sampling, Setting
 
+SIGMA_SCHEDULES = ("default", "distilled", "stage2")  # the model's, the distilled model's 8 steps, the refine's 3
 
-def _sampler_settings(inputs: dict) -> dict:
-    """The LTX-2 sampler's own inputs; -1 (audio_guidance) and "model default" mean the model's own value."""
-    audio_guidance = inputs.get("audio_guidance", -1.0)
-    sigmas = inputs.get("sigmas", "default")
-    return {"audio_guidance": audio_guidance if audio_guidance >= 0 else None,
-            "stg_scale": inputs.get("stg_scale"), "modality_scale": inputs.get("modality_scale"),
-            "guidance_rescale": inputs.get("guidance_rescale"), "frame_rate": inputs.get("frame_rate"),
-            "sigmas": None if sigmas == "default" else sigmas}
+# The sampler's own settings, each left out the model's default (diffusers' LTX2Pipeline's): the guidance terms
+# (one knob each for the video and the sound, as diffusers' video and audio scales), the rate and the schedule.
+SETTINGS = (
+    Setting("audio_guidance", float, "CFG scale of the sound", default=7.0, above=0.0, node_max=30.0, node_step=0.1),
+    Setting("stg_scale", float, "spatio-temporal guidance (video and sound); 0 turns it off", default=1.0,
+            minimum=0.0, node_max=10.0, node_step=0.1),
+    Setting("modality_scale", float, "modality-isolation guidance; 1 turns it off", default=3.0, minimum=0.0,
+            node_max=10.0, node_step=0.1),
+    Setting("guidance_rescale", float, "rescale of the guided prediction; 0 turns it off", default=0.7, minimum=0.0,
+            node_max=1.0, node_step=0.05),
+    Setting("frame_rate", float, "frames per second the video is made for: the sound's length and the positions "
+            "(and the mp4's rate unless --fps)", default=24.0, above=0.0, node_max=120.0, node_step=1.0),
+    Setting("sigmas", str, "the sigma schedule: the model's (default), the distilled model's 8 steps, the refine "
+            "stage's 3", choices=SIGMA_SCHEDULES, node_unset="default", default_help="default"),
+    Setting("stg_blocks", tuple, "the transformer blocks spatio-temporal guidance perturbs", default=(28,),
+            cli=False, node=None),
+    Setting("noise_scale", float, "sampling from given latents: how much fresh noise they get", minimum=0.0,
+            below=1.0 + 1e-9, default_help="the schedule's first sigma", cli=False, node=None),
+    Setting("upsampler", str, "the spatial latent upsampler's diffusers folder (two-stage generation)",
+            default_help="the model folder's latent_upsampler/", stage="open", node="optional", node_unset=""),
+)
 
 
 SPEC = FamilySpec(
@@ -34,6 +48,15 @@ SPEC = FamilySpec(
     example_repo="Lightricks/LTX-2",
     architectures="architectures:ARCHITECTURES",
     folder_names=("diffusers",),
+    sampling=Sampling(steps=30, guidance=3.0, refine=True),
+    settings=SETTINGS,
+    stages=("upsample", "decode_audio"),
+    recipes=(Recipe(
+        "two_stage", "LTX-2's recipe: sample at half the width and height, upsample the latents x2, refine 3 steps "
+        "(stage-2 sigmas, one pass a step; --lora-2 adds LoRAs to this stage only)", ("sample", "upsample", "sample"),
+        "recipes:two_stage_settings"),),
+    lora_keys=r"audio_attn\d|audio_ff|audio_to_video_attn|patchify_proj",
+    bench={"load-file": "bench:file_load"},
     demos={"ltx2": Demo("tiny:build_tiny_ltx2", ("2.0",), 64, 96, 17),
            "ltx2.3": Demo("tiny:build_tiny_ltx2", ("2.3",), 64, 96, 17)},
     file_roles=(
@@ -46,7 +69,11 @@ SPEC = FamilySpec(
                  "LTX-2 two-stage generation: the spatial upscaler, models/latent_upscale_models/"
                  "ltx-2-spatial-upscaler-x2-1.0.safetensors"),
         FileRole("tokenizer", "--tokenizer", "text_encoders", False,
-                 "LTX-2: a Gemma tokenizer folder, only for a Gemma file without its tokenizer inside"),
+                 "LTX-2: a Gemma tokenizer folder, only for a Gemma file without its tokenizer inside", directory=True),
+        FileRole("config", "--config", "diffusers", False,
+                 "LTX-2: a diffusers folder of the model's configs, for a model other than the released ones (what "
+                 "the files' shapes cannot tell: head counts, Gemma's attention pattern, the vocoder's strides)",
+                 directory=True),
     ),
     recognise_files="files:recognise",
     message_types=("files:LTX2Files",),
@@ -65,24 +92,7 @@ SPEC = FamilySpec(
                     "program per shape; new scales, seeds and prompts compile nothing.",
         decode_doc="Decode to an IMAGE batch and ComfyUI's AUDIO, for CreateVideo / SaveVideo with sound.",
         sampler=SamplerNode(
-            width=768, height=512, frames=121, frames_tip="8N+1 (121 native: 5 s at 24 fps)", guidance=3.0,
-            schedulers=(),
-            required={
-                "audio_guidance": ("FLOAT", {"default": 7.0, "min": 0.0, "max": 30.0, "step": 0.1,
-                                             "tooltip": "CFG scale of the sound"}),
-                "stg_scale": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 10.0, "step": 0.1,
-                                        "tooltip": "spatio-temporal guidance (video and sound); 0 turns it off"}),
-                "modality_scale": ("FLOAT", {"default": 3.0, "min": 0.0, "max": 10.0, "step": 0.1,
-                                             "tooltip": "modality-isolation guidance; 1 turns it off"}),
-                "guidance_rescale": ("FLOAT", {"default": 0.7, "min": 0.0, "max": 1.0, "step": 0.05,
-                                               "tooltip": "rescale of the guided prediction; 0 turns it off"}),
-                "frame_rate": ("FLOAT", {"default": 24.0, "min": 1.0, "max": 120.0, "step": 1.0,
-                                         "tooltip": "frames per second the video is made for (and played at)"}),
-                "sigmas": (["default", "distilled", "stage2"], {
-                    "default": "default", "tooltip": "default: the model's schedule; distilled: the distilled "
-                    "model's 8 steps; stage2: the refine stage's 3 steps"}),
-            },
-            settings=_sampler_settings, steps=30, refine=True),
+            width=768, height=512, frames=121, frames_tip="8N+1 (121 native: 5 s at 24 fps)"),
         image_size=(768, 512, 121),
         image_frames_tip="the sampler's frames: 8N+1 (121)",
         audio=True,
@@ -94,10 +104,9 @@ SPEC = FamilySpec(
             required=(("checkpoint", "checkpoint", "models/checkpoints: e.g. ltx-2-19b-dev"),
                       ("text_encoder", "text_encoder", "models/text_encoders: gemma_3_12B_it")),
             optional=(("latent_upscaler", "latent_upscaler", "models/latent_upscale_models: "
-                       "ltx-2-spatial-upscaler-x2 (two-stage generation)"), "@device", "@layout"),
+                       "ltx-2-spatial-upscaler-x2 (two-stage generation)"), "@device", "@layout",
+                      ("config", "config", "a diffusers folder of the model's configs, for a model other than the "
+                       "released ones; empty: the released model's")),
         ),
-        loader_optional={"upsampler": ("STRING", {
-            "default": "", "tooltip": "the spatial latent upsampler's diffusers folder (two-stage generation); "
-            "empty: the model folder's latent_upsampler/"})},
     ),
 )

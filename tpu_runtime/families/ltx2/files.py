@@ -17,9 +17,9 @@ ComfyUI's LTX-2 templates place three files:
 Configurations: widths, layer counts, channels and the 2.3 features present are read from shapes. What shapes
 cannot tell (attention head counts, Gemma's sliding-window pattern, the vocoder's strides and dilations, the audio
 VAE's resolution) is the released model's (diffusers' class defaults, Gemma 3 12B's published config), as
-ComfyUI's own detection assumes it (32 heads). A file may override those with a safetensors metadata entry
-``tpu_runtime.diffusers_configs`` (JSON: component -> diffusers config), which ``tiny.export_comfy_files`` writes
-for the tiny test models, whose heads and patterns differ from the release.
+ComfyUI's own detection assumes it (32 heads). For another model, a diffusers folder of its configs (the file role
+``config``, as diffusers' ``from_single_file(config=...)``) gives them: each component's config there replaces what
+was assumed.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from ...engine.weights import quant_aux, read_header
 from ...errors import ModelFolderError
 
 TRANSFORMER = "model.diffusion_model."
-METADATA = "tpu_runtime.diffusers_configs"
 VIDEO_HEADS = AUDIO_HEADS = 32  # ComfyUI's model_detection: every released LTX-2 transformer
 
 
@@ -45,6 +44,7 @@ class LTX2Files:
     text_encoder: Path
     latent_upscaler: Path | None = None
     tokenizer: Path | None = None  # a Gemma tokenizer folder, for a text-encoder file without spiece_model
+    config: Path | None = None  # a diffusers folder of the model's configs, for a model other than the released ones
 
 
 def _checkpoint_keys(path) -> set[str] | None:
@@ -64,18 +64,22 @@ def recognise(files: dict) -> bool:
     return keys is not None and f"{TRANSFORMER}audio_adaln_single.linear.weight" in keys
 
 
-def metadata_configs(path: Path) -> dict:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-    except Exception:  # noqa: BLE001 - read_header has already said what is wrong with a damaged file
+def config_overrides(folder: Path | None) -> dict[str, dict]:
+    """Component -> its config in the diffusers folder ``folder`` (the text encoder's text config), for what the
+    single files' shapes cannot tell; empty without a folder."""
+    if folder is None:
         return {}
-    try:
-        return json.loads(meta.get(METADATA, "{}"))
-    except json.JSONDecodeError as e:
-        raise ModelFolderError(f"{path}: its {METADATA} metadata is not JSON ({e})") from None
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ModelFolderError(f"config {folder} is not a folder: give a diffusers LTX-2 folder (or its configs)")
+    out = {}
+    for component in ("transformer", "connectors", "vae", "audio_vae", "vocoder", "text_encoder", "latent_upsampler"):
+        path = folder / component / "config.json"
+        if path.is_file():
+            config = json.loads(path.read_text())
+            config = config.get("text_config", config) if component == "text_encoder" else config
+            out[component] = {k: v for k, v in config.items() if not k.startswith("_")}
+    return out
 
 
 def _defaults(cls) -> dict:
@@ -199,12 +203,9 @@ def checkpoint_names(path: Path) -> dict[str, dict[str, str]]:
 
 
 # --- configs -------------------------------------------------------------------------------------------------
-def checkpoint_configs(path: Path) -> tuple[dict[str, dict], dict[str, dict[str, str]]]:
-    """(component -> diffusers config, component -> names) of ComfyUI's all-in-one LTX-2 checkpoint."""
-    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
-    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
-    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
-
+def checkpoint_configs(path: Path, overrides: dict | None = None) -> tuple[dict[str, dict], dict[str, dict[str, str]]]:
+    """(component -> diffusers config, component -> names) of ComfyUI's all-in-one LTX-2 checkpoint; ``overrides``
+    (component -> config) replace what the shapes cannot tell."""
     path = Path(path)
     header = read_header(path, "LTX-2 checkpoint")
     if f"{TRANSFORMER}audio_adaln_single.linear.weight" not in header:
@@ -226,7 +227,22 @@ def checkpoint_configs(path: Path) -> tuple[dict[str, dict], dict[str, dict[str,
                                    "checkpoint this pack knows")
         return shape[component][name]
 
-    t = shape["transformer"]
+    transformer = _transformer_config(shape["transformer"], need)
+    configs = {"transformer": transformer, "connectors": _connectors_config(shape["connectors"], need, transformer),
+               "vae": _vae_config(shape["vae"], need), "audio_vae": _audio_vae_config(shape["audio_vae"], need)}
+    configs["vocoder"], bwe = _vocoder_config(shape["vocoder"], need)
+    for component, override in (overrides or {}).items():
+        if component in configs:
+            configs[component].update(override)
+    configs["vocoder_class"] = {"name": "LTX2VocoderWithBWE" if bwe else "LTX2Vocoder"}
+    return configs, names
+
+
+def _transformer_config(t: dict, need) -> dict:
+    """The transformer's config from its tensors' shapes ``t`` (name -> shape; ``need(component, name)`` refuses a
+    missing one)."""
+    from diffusers import LTX2VideoTransformer3DModel
+
     inner, in_ch = need("transformer", "proj_in.weight")
     audio_inner, audio_in = need("transformer", "audio_proj_in.weight")
     transformer = dict(_defaults(LTX2VideoTransformer3DModel), rope_type="split", rope_double_precision=True)
@@ -246,8 +262,12 @@ def checkpoint_configs(path: Path) -> tuple[dict[str, dict], dict[str, dict[str,
         use_prompt_embeddings="caption_projection.linear_1.weight" in t)
     if "caption_projection.linear_1.weight" in t:
         transformer["caption_channels"] = t["caption_projection.linear_1.weight"][1]
+    return transformer
 
-    c = shape["connectors"]
+
+def _connectors_config(c: dict, need, transformer: dict) -> dict:
+    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+
     per_modality = "video_text_proj_in.weight" in c
     proj = need("connectors", "video_text_proj_in.weight" if per_modality else "text_proj_in.weight")
     v_width = need("connectors", "video_connector.learnable_registers")
@@ -266,8 +286,12 @@ def checkpoint_configs(path: Path) -> tuple[dict[str, dict], dict[str, dict[str,
         video_gated_attn="video_connector.transformer_blocks.0.attn1.to_gate_logits.weight" in c,
         audio_gated_attn="audio_connector.transformer_blocks.0.attn1.to_gate_logits.weight" in c,
         proj_bias=("video_text_proj_in.bias" if per_modality else "text_proj_in.bias") in c)
+    return connectors
 
-    v = shape["vae"]
+
+def _vae_config(v: dict, need) -> dict:
+    from diffusers import AutoencoderKLLTX2Video
+
     vae = dict(_defaults(AutoencoderKLLTX2Video), decoder_causal=False)
     stages = _count(v, r"encoder\.down_blocks\.(\d+)\.")
     up = _count(v, r"decoder\.up_blocks\.(\d+)\.")
@@ -286,12 +310,23 @@ def checkpoint_configs(path: Path) -> tuple[dict[str, dict], dict[str, dict[str,
         spatial_compression_ratio=32, temporal_compression_ratio=8,  # every released LTX-2 VAE
         decoder_layers_per_block=[_count(v, rf"decoder\.up_blocks\.{i}\.resnets\.(\d+)\.") for i in reversed(range(up))]
         + [_count(v, r"decoder\.mid_block\.resnets\.(\d+)\.")])
-    a = shape["audio_vae"]
+    return vae
+
+
+def _audio_vae_config(a: dict, need) -> dict:
+    from diffusers import AutoencoderKLLTX2Audio
+
     audio_vae = _defaults(AutoencoderKLLTX2Audio)
     audio_vae.update(base_channels=need("audio_vae", "latents_mean")[0],
                      latent_channels=need("audio_vae", "decoder.conv_in.conv.weight")[1]
                      if "decoder.conv_in.conv.weight" in a else audio_vae["latent_channels"])
-    o = shape["vocoder"]
+    return audio_vae
+
+
+def _vocoder_config(o: dict, need) -> tuple[dict, bool]:
+    """The vocoder's config, and whether it is 2.3's with bandwidth extension."""
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
     vocoder = _defaults(LTX2Vocoder)
     bwe = "vocoder.conv_in.weight" in o
     if bwe:
@@ -304,13 +339,7 @@ def checkpoint_configs(path: Path) -> tuple[dict[str, dict], dict[str, dict[str,
     vocoder.update(in_channels=conv_in[1], hidden_channels=conv_in[0],
                    out_channels=need("vocoder", head + "conv_out.weight")[0],
                    upsample_kernel_sizes=[need("vocoder", f"{head}upsamplers.{i}.weight")[2] for i in range(ups)])
-    configs = {"transformer": transformer, "connectors": connectors, "vae": vae, "audio_vae": audio_vae,
-               "vocoder": vocoder}
-    for component, override in metadata_configs(path).items():
-        if component in configs:
-            configs[component].update({k: v for k, v in override.items() if not k.startswith("_")})
-    configs["vocoder_class"] = {"name": "LTX2VocoderWithBWE" if bwe else "LTX2Vocoder"}
-    return configs, names
+    return vocoder, bwe
 
 
 def _connector_heads(which: str, width: int) -> dict:
@@ -324,7 +353,7 @@ def _connector_heads(which: str, width: int) -> dict:
 GEMMA_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 
 
-def gemma_names(path: Path) -> tuple[dict, dict[str, str]]:
+def gemma_names(path: Path, override: dict | None = None) -> tuple[dict, dict[str, str]]:
     """(Gemma3TextConfig kwargs, file key -> Gemma3TextModel name) of ComfyUI's Gemma 3 text-encoder file."""
     from .architectures import GEMMA3_12B
 
@@ -357,44 +386,12 @@ def gemma_names(path: Path) -> tuple[dict, dict[str, str]]:
                   intermediate_size=h["layers.0.mlp.gate_proj.weight"][0],
                   layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * (layers // 6)
                   + ["sliding_attention"] * (layers % 6))
-    config.update(metadata_configs(path).get("text_encoder", {}))
+    config.update({k: v for k, v in (override or {}).items() if k in config})
     return config, names
 
 
-def spiece_model(path: Path) -> bytes | None:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return f.get_tensor("spiece_model").numpy().tobytes() if "spiece_model" in f.keys() else None  # noqa: SIM118 (safe_open has no __contains__)
-
-
-class GemmaSentencePieceTokenizer:
-    """Gemma's tokenizer from the SentencePiece model ComfyUI's text-encoder file carries: ``<bos>`` then the
-    text's pieces, truncated, left-padded with ``<pad>`` to ``max_length`` (as LTX-2's pipeline calls transformers'
-    Gemma tokenizer)."""
-
-    def __init__(self, model_proto: bytes):
-        import sentencepiece
-
-        self.sp = sentencepiece.SentencePieceProcessor(model_proto=model_proto)
-        self.pad_id = self.sp.pad_id() if self.sp.pad_id() >= 0 else 0
-        self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else 2
-
-    def __call__(self, texts: list[str], max_length: int, **_):
-        import torch
-        from types import SimpleNamespace
-
-        ids, mask = [], []
-        for text in texts:
-            row = ([self.bos_id] + self.sp.encode(text))[:max_length]
-            ids.append([self.pad_id] * (max_length - len(row)) + row)
-            mask.append([0] * (max_length - len(row)) + [1] * len(row))
-        return SimpleNamespace(input_ids=torch.tensor(ids, dtype=torch.int64),
-                               attention_mask=torch.tensor(mask, dtype=torch.int64))
-
-
 # --- spatial latent upsampler -----------------------------------------------------------------------------------
-def upscaler_names(path: Path) -> tuple[dict, dict[str, str]]:
+def upscaler_names(path: Path, override: dict | None = None) -> tuple[dict, dict[str, str]]:
     """(LTX2LatentUpsamplerModel config, file key -> name) of ComfyUI's latent upscale model file (diffusers'
     names already)."""
     from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
@@ -408,6 +405,6 @@ def upscaler_names(path: Path) -> tuple[dict, dict[str, str]]:
     config = _defaults(LTX2LatentUpsamplerModel)
     config.update(in_channels=in_ch, mid_channels=mid, num_blocks_per_stage=_count(header, r"res_blocks\.(\d+)\."),
                   use_rational_resampler="upsampler.blur_down.kernel" in header)
-    config.update(metadata_configs(path).get("latent_upsampler", {}))
+    config.update(override or {})
     aux = quant_aux(header)
     return config, {k: k for k in header if k not in aux}

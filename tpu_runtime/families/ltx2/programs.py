@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...engine.stages import StageProgram
+from ...engine.stages import SampleSettings, StageProgram
 from ...engine.streaming import to_frames
 
 TEXT_LEN = 1024  # diffusers' LTX2Pipeline max_sequence_length
@@ -56,8 +56,8 @@ class LTX2Programs:
     def encode_program(self) -> StageProgram:
         """Gemma 3 over ``[negative, positive]`` (left-padded to 1024 tokens, every layer's hidden states stacked as
         diffusers packs them), then the text connectors: the video and the sound prompt streams."""
-        gemma = self._component("text_encoder")
-        connectors = self._component("connectors")
+        gemma = self.component("text_encoder")
+        connectors = self.component("connectors")
 
         def stacked(module, ids, mask):
             out = module(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
@@ -73,27 +73,27 @@ class LTX2Programs:
             return connectors_fn(states["connectors"], hidden, mask)
 
         shape = (2, TEXT_LEN)
-        states = {"text_encoder": self._states["text_encoder"], "connectors": self._states["connectors"]}
+        states = {"text_encoder": self.state("text_encoder"), "connectors": self.state("connectors")}
         example = (states, self.arg(shape, torch.int32), self.arg(shape, torch.int32))
         return StageProgram("encode", encode_fn, example, shape, f"Gemma 3 and the text connectors for {TEXT_LEN} "
                             "tokens", self.traced(_functional_rope), ("text_encoder", "connectors"))
 
     # --- image to video --------------------------------------------------------------------------------------------
-    def image_program(self, height: int, width: int) -> StageProgram:
+    def image_programs(self, height: int, width: int, num_frames: int, images: int = 1) -> list[StageProgram]:
         """The first frame ``[1, 3, 1, H, W]`` through the video VAE's encoder: its posterior's mode, normalised by the
         latent statistics without the scaling factor (as diffusers' image-to-video pipeline does)."""
         import jax.numpy as jnp
 
-        vae = self._component("vae")
+        vae = self.component("vae")
         encode = self.runtime.module_function(vae, lambda module, pixels: module.encode(pixels).latent_dist.mode())
         mean, std = (jnp.asarray(t.view(1, -1, 1, 1, 1).numpy()) for t in self._latent_statistics())
 
         def image_fn(state, pixels):
             return (encode(state, pixels).astype(jnp.float32) - mean) * 1.0 / std
 
-        example = (self._states["vae"], self.arg((1, 3, 1, height, width), self.dtype))
-        return StageProgram("image", image_fn, example, (height, width), f"LTX-2 VAE encode of the image for "
-                            f"{width}x{height}", self.traced, ("vae",))
+        example = (self.state("vae"), self.arg((1, 3, 1, height, width), self.dtype))
+        return [StageProgram("image", image_fn, example, (height, width), f"LTX-2 VAE encode of the image for "
+                             f"{width}x{height}", self.traced, ("vae",))]
 
     # --- stage 2: one denoising step ---------------------------------------------------------------------------
     def sample_program(self, geometry: "Geometry", passes: Passes, image: bool = False) -> StageProgram:
@@ -104,33 +104,12 @@ class LTX2Programs:
         import jax
         import jax.numpy as jnp
 
-        self._component("transformer")
-        transformer_fn = self.runtime.module_function(self._parts["transformer"])
-        dtype = self.model_dtype()
         replicated = self.runtime.sharding(self.mesh)
         batch_sharding = self.runtime.sharding(self.mesh, ("dp",))
-        g = geometry
-        f32 = jnp.float32
-
-        def call(state, hidden, audio_hidden, video_text, audio_text, timestep, video_coords, audio_coords,
-                 keep_mask, isolate=False, stg_blocks=None):
-            video_timestep = timestep[:, None] * (1 - keep_mask) if image else timestep
-            video, audio = transformer_fn(
-                state, hidden_states=hidden.astype(dtype), audio_hidden_states=audio_hidden.astype(dtype),
-                encoder_hidden_states=video_text, audio_encoder_hidden_states=audio_text, timestep=video_timestep,
-                audio_timestep=timestep, sigma=timestep, encoder_attention_mask=None,
-                audio_encoder_attention_mask=None, num_frames=g.frames, height=g.height, width=g.width,
-                audio_num_frames=g.audio_frames, video_coords=video_coords, audio_coords=audio_coords,
-                isolate_modalities=isolate, spatio_temporal_guidance_blocks=list(stg_blocks) if stg_blocks else None,
-                perturbation_mask=None, use_cross_timestep=True, return_dict=False)
-            return video.astype(f32), audio.astype(f32)
-
-        def rescaled(guided, positive, r, keep):
-            """diffusers' rescale_noise_cfg: the guided prediction's std matched to the positive one's."""
-            axes = tuple(range(1, guided.ndim))
-            ratio = jnp.std(positive, axis=axes, keepdims=True, ddof=1) / jnp.std(guided, axis=axes, keepdims=True,
-                                                                                     ddof=1)
-            return jnp.where(r > 0, r * (guided * ratio) + keep * guided, guided)
+        call = _transformer_call(self.runtime.module_function(self.component("transformer")), self.model_dtype(),
+                                 geometry, image)
+        extra_passes = ([({"stg_blocks": passes.stg_blocks}, 2)] if passes.stg_blocks else []) + \
+            ([({"isolate": True}, 4)] if passes.modality else [])
 
         def step_fn(state, x, xa, video_text, audio_text, t, sigmas, c, video_coords, audio_coords, keep_mask):
             sigma, dt = sigmas[0], sigmas[1] - sigmas[0]
@@ -154,18 +133,12 @@ class LTX2Programs:
                 video, audio = call(state, x, xa, video_text, audio_text, t, video_coords, audio_coords, mask)
                 x_video, x_audio = x0(x, video), x0(xa, audio)
                 guided_video, guided_audio = x_video, x_audio
-            if passes.stg_blocks:
-                video, audio = call(state, x, xa, video_text, audio_text, t, video_coords, audio_coords, mask,
-                                    stg_blocks=passes.stg_blocks)
-                guided_video = guided_video + c[2] * (x_video - x0(x, video))
-                guided_audio = guided_audio + c[3] * (x_audio - x0(xa, audio))
-            if passes.modality:
-                video, audio = call(state, x, xa, video_text, audio_text, t, video_coords, audio_coords, mask,
-                                    isolate=True)
-                guided_video = guided_video + c[4] * (x_video - x0(x, video))
-                guided_audio = guided_audio + c[5] * (x_audio - x0(xa, audio))
-            guided_video = rescaled(guided_video, x_video, c[6], c[7])
-            guided_audio = rescaled(guided_audio, x_audio, c[8], c[9])
+            for how, k in extra_passes:  # STG, then modality isolation: coefficients k (video) and k + 1 (sound)
+                video, audio = call(state, x, xa, video_text, audio_text, t, video_coords, audio_coords, mask, **how)
+                guided_video = guided_video + c[k] * (x_video - x0(x, video))
+                guided_audio = guided_audio + c[k + 1] * (x_audio - x0(xa, audio))
+            guided_video = _rescaled(guided_video, x_video, c[6], c[7])
+            guided_audio = _rescaled(guided_audio, x_audio, c[8], c[9])
             # back to velocities, then diffusers' Euler step: x + (sigma_next - sigma) * v
             x_next = x + dt * ((x - guided_video) / sigma)
             if image:  # the image's frame is never stepped
@@ -174,26 +147,25 @@ class LTX2Programs:
             return (jax.lax.with_sharding_constraint(x_next, replicated),
                     jax.lax.with_sharding_constraint(xa_next, replicated))
 
-        arg, f32_t = self.arg, torch.float32
+        g, arg, f32 = geometry, self.arg, torch.float32
         batch = 2 if passes.cfg else 1
         tokens = g.frames * g.height * g.width
-        example = (self._states["transformer"], arg((1, tokens, g.channels), f32_t),
-                   arg((1, g.audio_frames, g.audio_channels), f32_t),
+        example = (self.state("transformer"), arg((1, tokens, g.channels), f32),
+                   arg((1, g.audio_frames, g.audio_channels), f32),
                    arg((batch, TEXT_LEN, self.video_text_dim), self.dtype, ("dp",) if passes.cfg else ()),
                    arg((batch, TEXT_LEN, self.audio_text_dim), self.dtype, ("dp",) if passes.cfg else ()),
-                   arg((1,), f32_t), arg((2,), f32_t), arg((len(COEFFICIENTS),), f32_t),
-                   arg((1, 3, tokens, 2), f32_t), arg((1, 1, g.audio_frames, 2), f32_t),
-                   arg((1, tokens), f32_t) if image else None)
-        key = (g, passes, image, self.attention)
-        return StageProgram("sample", step_fn, example, key,
+                   arg((1,), f32), arg((2,), f32), arg((len(COEFFICIENTS),), f32),
+                   arg((1, 3, tokens, 2), f32), arg((1, 1, g.audio_frames, 2), f32),
+                   arg((1, tokens), f32) if image else None)
+        return StageProgram("sample", step_fn, example, (g, passes, image, self.attention),
                             f"LTX-2 sampler step for {g.describe()} ({passes.describe()}, mesh {self.mesh_spec}, "
                             f"{self.attention.impl} attention)", self.traced(_functional_rope), ("transformer",))
 
     # --- stage 3: decode -------------------------------------------------------------------------------------------
-    def decode_program(self, z_shape: tuple[int, ...]) -> StageProgram:
+    def decode_programs(self, z_shape: tuple[int, ...]) -> list[StageProgram]:
         """Video latents ``[1, C, F, h, w]`` (de-normalised) through the video VAE's decoder (non-causal: the whole
         video at once, as diffusers decodes it) to frames ``[F', H, W, 3]`` in 0..1."""
-        vae = self._component("vae")
+        vae = self.component("vae")
         timestep_conditioned = bool(self.vae_config.get("timestep_conditioning", False))
 
         def decode(module, z):
@@ -207,19 +179,19 @@ class LTX2Programs:
         def frames_fn(state, z):
             return to_frames(decode_fn(state, z.astype(dtype)))
 
-        example = (self._states["vae"], self.arg(z_shape, torch.float32, self._vae_input_spec(z_shape)))
+        example = (self.state("vae"), self.arg(z_shape, torch.float32, self.vae_input_spec(z_shape)))
         frames = (z_shape[2] - 1) * self.vae_scale_temporal + 1
         what = f"LTX-2 video VAE decode for {frames}x{z_shape[3] * self.vae_scale_spatial}x" \
                f"{z_shape[4] * self.vae_scale_spatial}"
-        return StageProgram("decode", frames_fn, example, (tuple(z_shape), self.vae_sharding), what, self.traced,
-                            ("vae",))
+        return [StageProgram("decode", frames_fn, example, (tuple(z_shape), self.vae_sharding), what, self.traced,
+                             ("vae",))]
 
-    def audio_decode_program(self, a_shape: tuple[int, ...]) -> StageProgram:
+    def decode_audio_programs(self, a_shape: tuple[int, ...]) -> list[StageProgram]:
         """Sound latents ``[1, C, L, M]`` (de-normalised) through the audio VAE's decoder to a mel spectrogram and the
         vocoder to the waveform ``[channels, samples]`` float32."""
         import jax.numpy as jnp
 
-        audio_vae, vocoder = self._component("audio_vae"), self._component("vocoder")
+        audio_vae, vocoder = self.component("audio_vae"), self.component("vocoder")
         mel_fn = self.runtime.module_function(audio_vae, lambda module, z: module.decode(z, return_dict=False)[0])
         wave_fn = self.runtime.module_function(vocoder)
         dtype = self.model_dtype()
@@ -228,29 +200,72 @@ class LTX2Programs:
             mel = mel_fn(states["audio_vae"], z.astype(dtype))
             return wave_fn(states["vocoder"], mel)[0].astype(jnp.float32)
 
-        states = {"audio_vae": self._states["audio_vae"], "vocoder": self._states["vocoder"]}
+        states = {"audio_vae": self.state("audio_vae"), "vocoder": self.state("vocoder")}
         example = (states, self.arg(a_shape, torch.float32))
-        return StageProgram("decode", audio_fn, example, (tuple(a_shape),), f"LTX-2 audio VAE decode and vocoder for "
-                            f"{a_shape[2]} latent audio frames", self.traced, ("audio_vae", "vocoder"), part="audio")
+        return [StageProgram("decode", audio_fn, example, (tuple(a_shape),), f"LTX-2 audio VAE decode and vocoder "
+                             f"for {a_shape[2]} latent audio frames", self.traced, ("audio_vae", "vocoder"),
+                             part="audio")]
 
     # --- two stages: the spatial latent upsampler ----------------------------------------------------------------
-    def upsample_program(self, z_shape: tuple[int, ...]) -> StageProgram:
+    def upsample_programs(self, z_shape: tuple[int, ...]) -> list[StageProgram]:
         """Video latents ``[1, C, F, h, w]`` (de-normalised, as the sampler returns them) through the spatial latent
         upsampler: ``[1, C, F, 2h, 2w]``, still de-normalised (diffusers' ``LTX2LatentUpsamplePipeline`` with its
         defaults: no AdaIN, no tone mapping)."""
         import jax.numpy as jnp
 
-        upsampler = self._component("latent_upsampler")
+        upsampler = self.component("latent_upsampler")
         upsample_fn = self.runtime.module_function(upsampler)
         dtype = self.model_dtype()
 
         def upsample(state, z):
             return upsample_fn(state, z.astype(dtype)).astype(jnp.float32)
 
-        example = (self._states["latent_upsampler"], self.arg(z_shape, torch.float32))
-        return StageProgram("upsample", upsample, example, (tuple(z_shape),),
-                            f"LTX-2 spatial latent upsampler for {z_shape[2]}x{z_shape[3]}x{z_shape[4]} latents",
-                            self.traced, ("latent_upsampler",))
+        example = (self.state("latent_upsampler"), self.arg(z_shape, torch.float32))
+        return [StageProgram("upsample", upsample, example, (tuple(z_shape),),
+                             f"LTX-2 spatial latent upsampler for {z_shape[2]}x{z_shape[3]}x{z_shape[4]} latents",
+                             self.traced, ("latent_upsampler",))]
+
+    # --- plan ----------------------------------------------------------------------------------------------------
+    def plan_programs(self, s: SampleSettings) -> list[StageProgram]:
+        """Every program one generation with settings ``s`` runs, for ``plan`` to compile."""
+        self.check_settings(s)
+        passes, _ = self.guidance(s)
+        self.check_cfg_mesh(passes.cfg)
+        g = self.geometry(s.height, s.width, s.num_frames, self.frame_rate(s))
+        a_shape = (1, int(self.audio_vae_config["latent_channels"]), g.audio_frames,
+                   int(self.audio_vae_config["mel_bins"]) // 4)
+        return [self.encode_program(), self.sample_program(g, passes),
+                *self.decode_programs((1, g.channels, g.frames, g.height, g.width)), *self.decode_audio_programs(a_shape)]
+
+
+def _transformer_call(transformer_fn, dtype, g: "Geometry", image: bool):
+    """One call of the whole transformer inside the step: the video and the sound velocities, float32.
+    ``isolate``: modality isolation (cross-modal attention off); ``stg_blocks``: self-attention perturbed there."""
+    import jax.numpy as jnp
+
+    def call(state, hidden, audio_hidden, video_text, audio_text, timestep, video_coords, audio_coords, keep_mask,
+             isolate=False, stg_blocks=None):
+        video_timestep = timestep[:, None] * (1 - keep_mask) if image else timestep
+        video, audio = transformer_fn(
+            state, hidden_states=hidden.astype(dtype), audio_hidden_states=audio_hidden.astype(dtype),
+            encoder_hidden_states=video_text, audio_encoder_hidden_states=audio_text, timestep=video_timestep,
+            audio_timestep=timestep, sigma=timestep, encoder_attention_mask=None,
+            audio_encoder_attention_mask=None, num_frames=g.frames, height=g.height, width=g.width,
+            audio_num_frames=g.audio_frames, video_coords=video_coords, audio_coords=audio_coords,
+            isolate_modalities=isolate, spatio_temporal_guidance_blocks=list(stg_blocks) if stg_blocks else None,
+            perturbation_mask=None, use_cross_timestep=True, return_dict=False)
+        return video.astype(jnp.float32), audio.astype(jnp.float32)
+
+    return call
+
+
+def _rescaled(guided, positive, r, keep):
+    """diffusers' rescale_noise_cfg: the guided prediction's std matched to the positive one's (``r`` 0: off)."""
+    import jax.numpy as jnp
+
+    axes = tuple(range(1, guided.ndim))
+    ratio = jnp.std(positive, axis=axes, keepdims=True, ddof=1) / jnp.std(guided, axis=axes, keepdims=True, ddof=1)
+    return jnp.where(r > 0, r * (guided * ratio) + keep * guided, guided)
 
 
 @dataclass(frozen=True)

@@ -10,14 +10,7 @@ to the registry.
 
 from __future__ import annotations
 
-from ..spec import Demo, FamilySpec, FileRole, FilesLoaderNode, NodeSpec, SamplerNode
-
-
-def _sampler_settings(inputs: dict) -> dict:
-    """The Wan sampler's own inputs; 0 (shift, boundary) and -1 (guidance_2) mean the model's own value."""
-    shift, guidance_2, boundary = inputs.get("shift", 0.0), inputs.get("guidance_2", -1.0), inputs.get("boundary", 0.0)
-    return {"shift": shift if shift > 0 else None, "guidance_2": guidance_2 if guidance_2 >= 0 else None,
-            "boundary": boundary if boundary > 0 else None}
+from ..spec import Demo, FamilySpec, FileRole, FilesLoaderNode, NodeSpec, SamplerNode, Sampling, Setting
 
 
 SPEC = FamilySpec(
@@ -33,6 +26,22 @@ SPEC = FamilySpec(
     folder_names=("diffusers",),
     architectures="architectures:ARCHITECTURES",
     step_cache=True,
+    sampling=Sampling(steps=50, guidance=5.0, schedulers=("unipc", "euler", "euler_simple")),
+    settings=(
+        Setting("shift", float, "flow shift", above=0.0, default_help="the model's: 3 for 2.1, 12 for 2.2 A14B, 5 "
+                "TI2V-5B", node_unset=0.0, node_max=100.0, node_step=0.1),
+        Setting("guidance_2", float, "Wan 2.2 A14B: guidance of the low-noise expert", minimum=0.0,
+                default_help="the guidance", node="optional", node_unset=-1.0, node_max=30.0, node_step=0.1),
+        Setting("boundary", float, "Wan 2.2 A14B: switch to the low-noise expert below this fraction of the 1000 "
+                "training timesteps", above=0.0, below=1.0, default_help="the model's: 0.875 T2V, 0.9 I2V",
+                node="optional", node_unset=0.0, node_max=0.999, node_step=0.005),
+        Setting("loop", str, "the decode's programs: the first two latent frames then one call per later frame, or "
+                "one program holding every frame", choices=("frames", "unrolled"), default_help="frames",
+                stage="decode", cli=False, node=None),
+    ),
+    lora_keys=r"(?<!transformer_)blocks[._]\d+[._](self_attn|cross_attn|attn1|attn2|ffn)",
+    bench={"load-file": "bench:file_load", "lora-merge": "bench:lora_merge",
+           "mag-ratios": "bench:stand_in_mag_ratios"},
     demos={"wan2.1": Demo("tiny:build_tiny_wan", ("2.1",), 64, 96, 9),
            "wan2.2-a14b": Demo("tiny:build_tiny_wan", ("2.2-A14B",), 64, 96, 9),
            "wan2.2-ti2v-5b": Demo("tiny:build_tiny_wan", ("2.2-TI2V-5B",), 64, 96, 9)},
@@ -65,20 +74,7 @@ SPEC = FamilySpec(
                     "for every step and every seed.",
         decode_doc="Wan VAE decode to an IMAGE batch [frames, H, W, 3] for ComfyUI's CreateVideo / SaveVideo.",
         sampler=SamplerNode(
-            width=832, height=480, frames=81, frames_tip="4N+1 (81 native; TI2V-5B 121)", guidance=5.0,
-            schedulers=("unipc", "euler", "euler_simple"),
-            required={"shift": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 100.0, "step": 0.1,
-                                          "tooltip": "flow shift; 0: the model's (3 for 2.1, 12 for 2.2 A14B, 5 "
-                                          "TI2V-5B)"})},
-            optional={
-                "guidance_2": ("FLOAT", {"default": -1.0, "min": -1.0, "max": 30.0, "step": 0.1,
-                                         "tooltip": "Wan 2.2 A14B: guidance of the low-noise expert; -1: same as "
-                                         "guidance"}),
-                "boundary": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 0.999, "step": 0.005,
-                                       "tooltip": "Wan 2.2 A14B: switch to the low-noise expert below this fraction "
-                                       "of the 1000 timesteps; 0: the model's (0.875 T2V, 0.9 I2V)"}),
-            },
-            settings=_sampler_settings),
+            width=832, height=480, frames=81, frames_tip="4N+1 (81 native; TI2V-5B 121)"),
         image_size=(832, 480, 81),
         image_frames_tip="the sampler's frames: 4N+1 (81; TI2V-5B 121)",
         lora_optional={"expert": (["both", "high noise", "low noise"], {

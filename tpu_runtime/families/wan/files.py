@@ -208,35 +208,6 @@ def umt5_names(path: Path) -> tuple[dict, dict[str, str]]:
     return config, {k: short[k] for k in keys}
 
 
-class SentencePieceTokenizer:
-    """umT5's tokenizer from the SentencePiece model a ComfyUI text-encoder file carries: ids of the text, then
-    EOS, truncated to ``max_length`` and padded with the pad id, as transformers' T5 tokenizer does it."""
-
-    def __init__(self, model_proto: bytes):
-        import sentencepiece
-
-        self.sp = sentencepiece.SentencePieceProcessor(model_proto=model_proto)
-        self.pad_id = self.sp.pad_id() if self.sp.pad_id() >= 0 else 0
-        self.eos_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else 1
-
-    @classmethod
-    def from_file(cls, path: Path) -> "SentencePieceTokenizer":
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            return cls(f.get_tensor("spiece_model").numpy().tobytes())
-
-    def __call__(self, texts: list[str], max_length: int):
-        import torch
-
-        ids, mask = [], []
-        for text in texts:
-            row = self.sp.encode(text)[: max_length - 1] + [self.eos_id]
-            ids.append(row + [self.pad_id] * (max_length - len(row)))
-            mask.append([1] * len(row) + [0] * (max_length - len(row)))
-        return torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.int64)
-
-
 # --- VAE -------------------------------------------------------------------------------------------------------------
 _RESIDUAL = (("residual.0.gamma", "norm1.gamma"), ("residual.2.", "conv1."), ("residual.3.gamma", "norm2.gamma"),
              ("residual.6.", "conv2."), ("shortcut.", "conv_shortcut."))

@@ -37,16 +37,17 @@ from typing import Callable
 import torch
 
 from ...engine.attention import AttentionConfig
-from ...engine.family import ComponentSource, ModelFamily, builder, model_class
-from ...engine.folders import inspect_family_folder, present, read_config
+from ...engine.components import ComponentSource, builder, model_class
+from ...engine.family import ModelFamily
+from ...engine.folders import FolderOrFiles, inspect_family_folder, present, read_config
 from ...engine.runtime import Runtime
 from ...engine.schedulers import euler_simple_scheduler, linear_plan
 from ...engine.sharding import MeshSpec
-from ...engine.stages import ImageConditioning, SampleSettings, TextEmbeddings, VideoLatents, config_signature
+from ...engine.stages import (ImageConditioning, SampleSettings, SamplingRun, TextEmbeddings, VideoLatents,
+                              config_signature)
 from ...engine.stepcache import BlockSpec
-from ...engine.streaming import run_streamed
 from ...engine.validation import frame_problem, raise_problems, size_problems
-from ...errors import InputError, ModelFolderError, StageFileError
+from ...errors import InputError, ModelFolderError
 from . import SPEC
 from .files import WanFiles
 from .programs import TEXT_LEN, WanFunctionalAttnProcessor, WanPrograms
@@ -54,7 +55,7 @@ from .rules import RULES
 
 log = logging.getLogger(__name__)
 
-SCHEDULERS = ("unipc", "euler", "euler_simple")
+SCHEDULERS = SPEC.sampling.schedulers
 COMPONENTS = ("scheduler", "text_encoder", "tokenizer", "transformer", "vae")
 # Scheduler of the released models (diffusers' conversion script): flow-matching UniPC, shift per generation.
 DEFAULT_SCHEDULER = {
@@ -65,7 +66,6 @@ DEFAULT_SCHEDULER = {
 DEFAULT_SHIFT = {"2.1": 3.0, "2.2-A14B": 12.0, "2.2-TI2V-5B": 5.0}
 DEFAULT_BOUNDARY = 0.875  # Wan 2.2 T2V-A14B
 DEFAULT_BOUNDARY_I2V = 0.9  # Wan 2.2 I2V-A14B
-DEFAULT_GUIDANCE = 5.0
 NATIVE = {"2.1-small": (480, 832, 81), "2.1": (720, 1280, 81), "2.2-A14B": (720, 1280, 81),
           "2.2-TI2V-5B": (704, 1280, 121)}
 FPS = {"2.1": 16, "2.2-A14B": 16, "2.2-TI2V-5B": 24}
@@ -94,15 +94,13 @@ def generation_of(transformer_config: dict, vae_config: dict, two_experts: bool)
 
 
 # --- the family ----------------------------------------------------------------------------------------------
-class WanFamily(WanPrograms, ModelFamily):
+class WanFamily(WanPrograms, FolderOrFiles, ModelFamily):
     """A loaded Wan model, from a diffusers folder or ComfyUI single files. Components load on first use, once."""
 
-    FAMILY = SPEC.name
-    FAMILY_NAME = SPEC.display_name
-    DEFAULT_GUIDANCE = DEFAULT_GUIDANCE
+    SPEC = SPEC
+    FILES = WanFiles
     RULES = RULES
     # diffusers' WanTransformer3DModel.blocks; the pipelines call CFG's two passes apart ("cond", "uncond")
-    OWN_SETTINGS = frozenset({"shift", "guidance_2", "boundary"})
     STEP_CACHE_BLOCKS = BlockSpec("blocks")
     CFG_CONTEXTS = "halves"
 
@@ -111,13 +109,7 @@ class WanFamily(WanPrograms, ModelFamily):
                  attention: "AttentionConfig | str | None" = None, fsdp: bool = False,
                  vae_sharding: str = "auto", target_devices=None, index: dict | None = None,
                  layers: int | None = None):
-        if (path is None) == (files is None):
-            raise InputError("give either a Wan diffusers folder or the single files (transformer, text encoder, "
-                             "VAE), not both")
-        if isinstance(files, dict):
-            files = WanFiles(**{k: Path(v) for k, v in files.items()})
-        self.files = files
-        self.path = Path(path).expanduser() if path is not None else None
+        self._folder_or_files(path, files)
         self._names: dict[str, dict[str, str]] = {}  # single files: file key -> module name, per component
         if self.path is not None:
             self.index = inspect_wan_folder(self.path, weights=target_devices is None, index=index)
@@ -132,7 +124,7 @@ class WanFamily(WanPrograms, ModelFamily):
             has_encoder = present(self.index.get("image_encoder"))
             self.image_encoder_config = read_config(self.path / "image_encoder") if has_encoder else None
         else:
-            self._inspect_files(files)
+            self._inspect_files(self.files)
         self.transformer_config = self._with_layers(self.transformer_config, layers)
         if self.transformer_2_config is not None:
             self.transformer_2_config = self._with_layers(self.transformer_2_config, layers)
@@ -176,11 +168,6 @@ class WanFamily(WanPrograms, ModelFamily):
     def _inspect_files(self, files: WanFiles) -> None:
         from .files import transformer_names, umt5_names, vae_names
 
-        for what, p in (("transformer", files.transformer), ("text encoder", files.text_encoder),
-                        ("VAE", files.vae), ("transformer_2", files.transformer_2)):
-            if p is not None and not Path(p).is_file():
-                raise ModelFolderError(f"{what} file {p} does not exist: check the path (ComfyUI keeps them in "
-                                       "models/diffusion_models, models/text_encoders and models/vae)")
         self.transformer_config, self._names["transformer"] = transformer_names(files.transformer)
         self.two_experts = files.transformer_2 is not None
         self.transformer_2_config = None
@@ -189,9 +176,6 @@ class WanFamily(WanPrograms, ModelFamily):
         self.text_config, self._names["text_encoder"] = umt5_names(files.text_encoder)
         self.image_encoder_config = None
         if files.clip_vision is not None:
-            if not Path(files.clip_vision).is_file():
-                raise ModelFolderError(f"CLIP vision file {files.clip_vision} does not exist: ComfyUI keeps it in "
-                                       "models/clip_vision (clip_vision_h.safetensors)")
             from .files import clip_vision_names
 
             self.image_encoder_config, self._names["image_encoder"] = clip_vision_names(files.clip_vision)
@@ -254,9 +238,9 @@ class WanFamily(WanPrograms, ModelFamily):
             from transformers import AutoTokenizer
 
             return AutoTokenizer.from_pretrained(self.path / "tokenizer")
-        from .files import SentencePieceTokenizer
+        from ...engine.tokenizers import SentencePieceTokenizer
 
-        return SentencePieceTokenizer.from_file(self.files.text_encoder)
+        return SentencePieceTokenizer.from_file(self.files.text_encoder, eos=True)
 
     def scheduler(self, name: str | None = None, shift: float | None = None):
         """A fresh diffusers scheduler: the model's UniPC (or ``name`` "euler"), with ``shift`` if given."""
@@ -295,16 +279,8 @@ class WanFamily(WanPrograms, ModelFamily):
     def default_fps(self) -> int:
         return FPS[self.generation]
 
-    @property
-    def label(self) -> str:
-        return self.path.name if self.path is not None else self.files.transformer.stem
-
-    def source_paths(self) -> list[Path]:
-        return [self.path] if self.path is not None else [p for p in vars(self.files).values() if p]
-
     def describe(self) -> dict:
-        source = str(self.path) if self.path is not None else {k: str(v) for k, v in vars(self.files).items() if v}
-        return {**super().describe(), "source": source, "two_experts": self.two_experts,
+        return {**super().describe(), "source": self.describe_source(), "two_experts": self.two_experts,
                 "expand_timesteps": self.expand_timesteps}
 
     # --- validation ------------------------------------------------------------------------------------------
@@ -322,26 +298,19 @@ class WanFamily(WanPrograms, ModelFamily):
         return wan_transformer_to_original(name)
 
     def validate_settings(self, s: SampleSettings) -> None:
-        """Settings this model cannot use are refused, never silently ignored."""
-        if s.dynamic_cfg:
-            raise InputError("dynamic_cfg is a CogVideoX option; Wan has no dynamic guidance: turn it off")
-        if s.scheduler is not None and s.scheduler not in SCHEDULERS:
-            raise InputError(f"scheduler {s.scheduler!r} is not one Wan uses: pick one of {list(SCHEDULERS)}")
+        """The second expert's settings need a second expert."""
         if not self.two_experts:
-            for name, value in (("guidance_2", s.guidance_2), ("boundary", s.boundary)):
-                if value is not None:
-                    raise InputError(f"{name}={value} applies only to two-expert Wan 2.2 models (A14B); this model "
-                                     f"has one transformer: leave {name} unset")
-        self.lora_targets(s)
+            for name in ("guidance_2", "boundary"):
+                if s.options.get(name) is not None:
+                    raise InputError(f"{name}={s.options[name]} applies only to two-expert Wan 2.2 models (A14B); "
+                                     f"this model has one transformer: leave {name} unset")
 
     # --- stage 1: text -----------------------------------------------------------------------------------------
     def tokenize(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
-        tokenizer = self._component("tokenizer")
+        tokenizer = self.component("tokenizer")
         texts = [prompt_clean(t) for t in texts]
-        if self.path is None:
-            return tokenizer(texts, TEXT_LEN)
         out = tokenizer(texts, padding="max_length", max_length=TEXT_LEN, truncation=True, add_special_tokens=True,
                         return_attention_mask=True, return_tensors="pt")
         return out.input_ids, out.attention_mask
@@ -363,11 +332,11 @@ class WanFamily(WanPrograms, ModelFamily):
         vae_programs = [p for p in programs if p.part != "clip"]
         pixels = [self.put(video_image(im, height, width)[:, :, None].to(self.dtype)) for im in images]
         chunks = self.latent_shape(height, width, num_frames)[2] if not self.expand_timesteps else 1
-        condition = torch.cat(run_streamed(self, vae_programs, pixels, range(2, chunks)), dim=2).float()
+        condition = torch.cat(self.run_stage(vae_programs, pixels, range(2, chunks)), dim=2).float()
         embeds = None
         if self.uses_clip:
             clip_pixels = self._clip_processor()(images=images, return_tensors="pt").pixel_values
-            embeds, = run_streamed(self, programs[-1:], [self.put(clip_pixels.float())], ())
+            embeds, = self.run_stage(programs[-1:], [self.put(clip_pixels.float())])
         if self.concat_condition:
             condition = torch.cat([self._frame_mask(height, width, num_frames, len(images) == 2), condition], dim=1)
         return ImageConditioning(condition, height, width, num_frames, self.signature, image_embeds=embeds,
@@ -415,93 +384,63 @@ class WanFamily(WanPrograms, ModelFamily):
             return ""
         return "concat" if self.concat_condition else "first"
 
-    def sample(self, embeddings: TextEmbeddings, settings: SampleSettings,
-               on_step: Callable[[int, int], None] | None = None,
-               should_stop: Callable[[], bool] | None = None,
-               image: ImageConditioning | None = None) -> VideoLatents:
-        """Denoise from seeded noise; ``on_step(i, total)`` after each step, ``should_stop()`` before each.
-        Image-to-video: ``image`` is the image encode stage's output for this size."""
+    def sampling_run(self, embeddings: TextEmbeddings, s: SampleSettings, cfg: bool,
+                     image: ImageConditioning | None = None, latents: VideoLatents | None = None) -> SamplingRun:
+        """Seeded noise denoised by the scheduler's linear plan; image-to-video: ``image`` is the image encode
+        stage's output for this size. Wan 2.2's two experts take turns at the boundary with one program (the first
+        guidance alone turns CFG on for both, as diffusers decides)."""
         from diffusers.utils.torch_utils import randn_tensor
 
-        import time
-
-        s = settings
-        guidance = DEFAULT_GUIDANCE if s.guidance is None else float(s.guidance)
-        guidance_2 = guidance if s.guidance_2 is None else float(s.guidance_2)
-        cfg = guidance > 1.0  # as diffusers: the first guidance alone turns CFG on, for both experts
-        self.check_sample(embeddings, s, image, cfg)
-        scheduler = self.scheduler(s.scheduler, s.shift)
+        guidance = self.DEFAULT_GUIDANCE if s.guidance is None else float(s.guidance)
+        guidance_2 = guidance if s.options.get("guidance_2") is None else float(s.options["guidance_2"])
+        scheduler = self.scheduler(s.scheduler, s.options.get("shift"))
         plan = linear_plan(scheduler, s.steps)
         boundary = None
         if self.two_experts:
-            ratio = self.boundary_ratio if s.boundary is None else float(s.boundary)
+            ratio = self.boundary_ratio if s.options.get("boundary") is None else float(s.options["boundary"])
             boundary = ratio * scheduler.config.num_train_timesteps
-
         mode = self._image_mode(image)
         images = 0 if image is None or image.image_embeds is None else int(image.image_embeds.shape[0])
         program = self.sample_program(s.height, s.width, s.num_frames, cfg, plan, mode, images)
-        for name in program.components:  # both experts on the devices before the first step
-            self._component(name)
         experts = ["transformer_2" if boundary is not None and float(t) < boundary else "transformer"
                    for t in plan.timesteps]
-        run = self.step_function(program, s, experts, cfg, image=image is not None)
 
         # The only random draw of text-to-video: the initial latents, float32, on the CPU generator.
         generator = torch.Generator("cpu").manual_seed(int(s.seed))
         shape = self.latent_shape(s.height, s.width, s.num_frames)
-        latents = randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=torch.float32)
-        embeds = torch.cat([embeddings.negative_prompt_embeds, embeddings.prompt_embeds]) if cfg \
-            else embeddings.prompt_embeds
-        embeds_dev = self.put(embeds.to(self.dtype), ("dp",))
-        x_dev = self.put(latents)
+        noise = randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=torch.float32)
+        embeds_dev = self.cfg_batch(embeddings.prompt_embeds, embeddings.negative_prompt_embeds, cfg)
         kept_dev = tuple(self.put(torch.zeros(shape, dtype=torch.float32)) for _ in range(plan.kept))
-        carry = {"x": x_dev, "kept": kept_dev}
         condition_dev = None if image is None else self.put(image.latents.float())
         image_embeds_dev = None
         if images:
-            embeds_image = image.image_embeds.to(self.dtype)
-            image_embeds_dev = self.put(torch.cat([embeds_image, embeds_image]) if cfg else embeds_image, ("dp",))
+            image_embeds_dev = self.cfg_batch(image.image_embeds, image.image_embeds, cfg)
 
-        def step(i):
-            t = float(plan.timesteps[i])
-            second = experts[i] == "transformer_2"
-            state = self._states[experts[i]]
-            g = guidance_2 if second else guidance
-            carry["x"], carry["kept"] = run(
-                i, state, carry["x"], carry["kept"], embeds_dev, self.put(torch.tensor([t], dtype=torch.float32)),
-                self.put(torch.from_numpy(plan.matrices[i])), self.put(torch.tensor([g], dtype=torch.float32)),
-                condition_dev, image_embeds_dev)
-            return carry["x"]
+        def arguments(i, carry):
+            g = guidance_2 if experts[i] == "transformer_2" else guidance
+            x, kept = carry
+            return (x, kept, embeds_dev, self.put(torch.tensor([float(plan.timesteps[i])], dtype=torch.float32)),
+                    self.put(torch.from_numpy(plan.matrices[i])), self.put(torch.tensor([g], dtype=torch.float32)),
+                    condition_dev, image_embeds_dev)
 
-        try:
-            self.run_steps(plan.steps, step, on_step, should_stop)
-        finally:
-            self.finish_step_cache()
-        start = time.perf_counter()
-        result = self.runtime.to_cpu(carry["x"]).float().contiguous()
-        if mode == "first":  # diffusers puts the image's latent frame back in front before decoding
-            result[:, :, :1] = image.latents[:, :, :1].float()
-        self._record_run("sample", start)
-        return VideoLatents(result, s.height, s.width, s.num_frames, self.signature)
+        def finish(carry):
+            result = self.runtime.to_cpu(carry[0]).float().contiguous()
+            if mode == "first":  # diffusers puts the image's latent frame back in front before decoding
+                result[:, :, :1] = image.latents[:, :, :1].float()
+            return VideoLatents(result, s.height, s.width, s.num_frames, self.signature)
+
+        return SamplingRun(program, experts, (self.put(noise), kept_dev), arguments, finish)
 
     # --- stage 3: decode ---------------------------------------------------------------------------------------
-    def decode(self, latents: VideoLatents, tiling: bool = False, group_norm: str = "stock") -> torch.Tensor:
-        """Frames ``[F, H, W, 3]`` float32 in 0..1 from stage-2 latents."""
-        if tiling:
-            raise InputError("VAE tiling is a CogVideoX option here; the Wan VAE decodes one latent frame at a "
-                             "time already: turn tiling off (or split the decode over devices: vae_sharding width)")
-        if group_norm != "stock":
-            raise InputError("group_norm applies to the CogVideoX VAE; the Wan VAE has no GroupNorm: leave it stock")
-        self.check_made_here(latents)
-        z = latents.latents
-        channels = int(self.vae_config["z_dim"])
-        if z.ndim != 5 or z.shape[0] != 1 or z.shape[1] != channels:
-            raise StageFileError(f"latents have shape {tuple(z.shape)}; this model's VAE decodes "
-                                 f"[1, {channels}, T, H/{self.vae_scale_spatial}, W/{self.vae_scale_spatial}]")
-        programs = self.decode_programs(tuple(z.shape))
-        z_dev = self.put(z.float(), self._vae_input_spec(z.shape))
+    def latent_channels(self) -> int:
+        return int(self.vae_config["z_dim"])
+
+    def decode_inputs(self, z: torch.Tensor) -> list:
         mean, std_inv = (self.put(t) for t in self._latent_statistics())
-        return torch.cat(run_streamed(self, programs, [z_dev, mean, std_inv], range(2, z.shape[2])))
+        return [self.put(z.float(), self.vae_input_spec(z.shape)), mean, std_inv]
+
+    def decode_chunks(self, z_shape: tuple[int, ...]) -> list[int]:
+        return list(range(2, z_shape[2]))
 
     def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
         mean, std_inv = self._latent_statistics()

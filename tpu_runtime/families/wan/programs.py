@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from ...engine.family import forwards_replaced
+from ...engine.compiled import forwards_replaced
 from ...engine.runtime import Runtime
 from ...engine.schedulers import linear_plan
 from ...engine.stages import SampleSettings, StageProgram
@@ -29,8 +29,7 @@ class WanPrograms:
         """umT5 over ``[negative, positive]`` with the attention mask; rows past each prompt set to zeros."""
         import jax.numpy as jnp
 
-        self._component("text_encoder")
-        encoder_fn = self.runtime.module_function(self._parts["text_encoder"])
+        encoder_fn = self.runtime.module_function(self.component("text_encoder"))
         dtype = self.model_dtype()
 
         def encode_fn(state, ids, mask):
@@ -39,7 +38,7 @@ class WanPrograms:
             return jnp.where(mask[..., None] > 0, hidden, 0).astype(dtype)
 
         shape = (2, TEXT_LEN)
-        example = (self._states["text_encoder"], self.arg(shape, torch.int32), self.arg(shape, torch.int32))
+        example = (self.state("text_encoder"), self.arg(shape, torch.int32), self.arg(shape, torch.int32))
         return StageProgram("encode", encode_fn, example, shape, f"umT5 text encoder for {TEXT_LEN} tokens",
                             self.traced, ("text_encoder",))
 
@@ -51,7 +50,7 @@ class WanPrograms:
         ``images`` pictures (its second-to-last hidden states) where the model attends to them."""
         import jax.numpy as jnp
 
-        vae = self._component("vae")
+        vae = self.component("vae")
         mean, std_inv = (jnp.asarray(t.numpy()) for t in self._latent_statistics())
         frames = 1 if self.expand_timesteps else num_frames
         t = self.vae_scale_temporal
@@ -71,7 +70,7 @@ class WanPrograms:
 
         scope = self.traced(lambda: _wan_vae_for_xla(vae))
         pixel = self.arg((1, 3, 1, height, width), self.dtype)
-        example = (self._states["vae"], pixel, *([pixel] if images == 2 else []))
+        example = (self.state("vae"), pixel, *([pixel] if images == 2 else []))
         what = f"Wan VAE encode of the image(s) for {num_frames}x{height}x{width}"
         key = (height, width, frames, images, self._resolved_decode_loop())
         if self._resolved_decode_loop() == "unrolled" or chunks == 1:
@@ -99,14 +98,14 @@ class WanPrograms:
                                          chunk=chunk, finish=normalised,
                                          later=("chunk", f"each later chunk of {t} frames"))
         if self.uses_clip:
-            clip = self._component("image_encoder")
+            clip = self.component("image_encoder")
             size = int(self.image_encoder_config.get("image_size", 224))
 
             def features(module, pixels):
                 return module(pixel_values=pixels, output_hidden_states=True).hidden_states[-2]
 
             clip_fn = self.runtime.module_function(clip, features)
-            example = (self._states["image_encoder"], self.arg((images, 3, size, size), torch.float32))
+            example = (self.state("image_encoder"), self.arg((images, 3, size, size), torch.float32))
             programs.append(StageProgram("image", clip_fn, example, (images, size), f"CLIP vision over {images} "
                                          "image(s)", self.traced, ("image_encoder",), part="clip"))
         return programs
@@ -121,8 +120,7 @@ class WanPrograms:
         import jax.numpy as jnp
 
         shape = self.latent_shape(height, width, num_frames)
-        self._component("transformer")
-        transformer_fn = self.runtime.module_function(self._parts["transformer"])
+        transformer_fn = self.runtime.module_function(self.component("transformer"))
         model_dtype = self.model_dtype()
         batch_sharding = self.runtime.sharding(self.mesh, ("dp",))
         replicated = self.runtime.sharding(self.mesh)
@@ -172,7 +170,7 @@ class WanPrograms:
             c = self.image_encoder_config
             patches = (int(c.get("image_size", 224)) // int(c["patch_size"])) ** 2 + 1
             image_embeds = arg(((2 if cfg else 1) * images, patches, int(c["hidden_size"])), self.dtype, ("dp",))
-        example = (self._states["transformer"], arg(shape, f32), tuple(arg(shape, f32) for _ in range(kept)),
+        example = (self.state("transformer"), arg(shape, f32), tuple(arg(shape, f32) for _ in range(kept)),
                    arg(embeds_shape, self.dtype, ("dp",)), arg((1,), f32), arg(plan.matrices[0].shape, f32),
                    arg((1,), f32), condition, image_embeds)
         key = (shape, embeds_shape, cfg, kept, round_result, image, images, self.attention)
@@ -184,9 +182,9 @@ class WanPrograms:
     def plan_programs(self, s: SampleSettings) -> list[StageProgram]:
         """Every program one generation with settings ``s`` runs, for ``plan`` to compile."""
         self.check_settings(s)
-        cfg = (self.DEFAULT_GUIDANCE if s.guidance is None else float(s.guidance)) > 1.0
+        cfg = self.uses_cfg(s)
         self.check_cfg_mesh(cfg)
-        plan = linear_plan(self.scheduler(s.scheduler, s.shift), s.steps)
+        plan = linear_plan(self.scheduler(s.scheduler, s.options.get("shift")), s.steps)
         images, mode, pictures = [], "", 0
         if self.image_input == "required":  # image-to-video: its image encode and the conditioned step
             pictures = 2 if self.last_image_input else 1
@@ -204,24 +202,25 @@ class WanPrograms:
     #: latent frames).
     decode_loop = "frames"
 
-    def _resolved_decode_loop(self) -> str:
-        if self.decode_loop not in ("unrolled", "frames"):
-            raise InputError(f"decode_loop {self.decode_loop!r} is not one of frames, unrolled")
-        return self.decode_loop
+    def _resolved_decode_loop(self, loop: str | None = None) -> str:
+        loop = loop or self.decode_loop
+        if loop not in ("unrolled", "frames"):
+            raise InputError(f"decode_loop {loop!r} is not one of frames, unrolled")
+        return loop
 
-    def decode_programs(self, z_shape: tuple[int, ...]) -> list[StageProgram]:
+    def decode_programs(self, z_shape: tuple[int, ...], loop: str | None = None) -> list[StageProgram]:
         """The programs that de-normalise latents ``[1, C, T, h, w]`` and decode them, one latent frame at a time
-        as diffusers does, to frames ``[F, H, W, 3]`` in 0..1: one program (unrolled), or the first two frames'
-        program and, for T > 2, the later frames' program (``decode_loop``)."""
+        as diffusers does, to frames ``[F, H, W, 3]`` in 0..1: one program (``loop`` "unrolled"), or the first two
+        frames' program and, for T > 2, the later frames' program ("frames"; None: ``decode_loop``)."""
         import jax
 
-        vae = self._component("vae")
-        loop = self._resolved_decode_loop()
+        vae = self.component("vae")
+        loop = self._resolved_decode_loop(loop)
         dtype = self.model_dtype()
         scope = self.traced(lambda: _wan_vae_for_xla(vae))
         stats = (1, z_shape[1], 1, 1, 1)
         f32 = torch.float32
-        example = (self._states["vae"], self.arg(z_shape, f32, self._vae_input_spec(z_shape)), self.arg(stats, f32),
+        example = (self.state("vae"), self.arg(z_shape, f32, self.vae_input_spec(z_shape)), self.arg(stats, f32),
                    self.arg(stats, f32))
         frames = (z_shape[2] - 1) * self.vae_scale_temporal + 1
         height, width = z_shape[3] * self.vae_scale_spatial, z_shape[4] * self.vae_scale_spatial
