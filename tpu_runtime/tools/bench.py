@@ -3,14 +3,12 @@
 Reports, per stage, load / compile / run seconds and XLA compile counts, the XLA memory analysis of each
 compiled program, peak host memory, and end-to-end wall times (cold: with compiles; warm: a second prompt and
 seed) as ratios to diffusers eager. The VAE decode is compared with diffusers' eager VAE decode on the same
-latents and with itself as one unrolled program; CogVideoX also compares its two VAE GroupNorm lowerings.
-Without ``--model`` it builds a tiny random-weight model, so the numbers measure overheads and compiles, not a
-real model's speed.
+latents, and each decode option with several lowerings (the family's declaration says which: a streamed or an
+unrolled decode, a GroupNorm lowering) is run both ways. Without ``--model`` it builds a tiny random-weight model,
+so the numbers measure overheads and compiles, not a real model's speed.
 
-``bench --load-file-mb N`` measures loading a ComfyUI single-file Wan transformer of about N MB of random fp16
-weights instead: host seconds and peak host memory of our loader, each in a fresh process; with
-``--generation ltx2``, LTX-2's all-in-one checkpoint (bf16 and fp8) against its diffusers folder, the model opened
-and its transformer placed.
+The loading and LoRA-merging benchmarks (``--load-file-mb``, ``--load-folder-mb``, ``--lora-merge``) are the
+families' own (``FamilySpec.bench``): each load runs in a fresh process (``load_child.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +107,7 @@ def run_bench(model: str | None, generation: str, height: int, width: int, frame
     }
     latents = load_latents(work / "run0")
     result["vae_decode"] = _decode_vs_eager(family, pipe, latents)  # first: its compile time is the cold run's
-    for option, choices in family.decode_variants().items():  # CogVideoX: its two GroupNorm lowerings
+    for option, choices in family.decode_variants().items():  # each lowering the family offers, compiled and run
         result[option] = _decode_variants(family, latents, option, choices)
     result["peak_host_mib"] = _peak_host_mib()
 
@@ -132,7 +131,6 @@ def bench_step_cache(model: str | None, generation: str, height: int, width: int
     from ..engine.runtime import compile_stats, get_runtime
     from ..engine.stages import SampleSettings
     from ..families import registry
-    from ..families.wan import magcache
     from .generate import GenerateRequest, open_model
     from .options import step_cache
 
@@ -147,9 +145,9 @@ def bench_step_cache(model: str | None, generation: str, height: int, width: int
     ratios_source = "given" if mag_ratios else ""
     if method == "magcache" and not mag_ratios:
         published = family.published_mag_ratios(base, image=False)
-        if published is None:
-            cache = dataclasses.replace(cache, mag_ratios={"*": magcache.diffusers_list(magcache.WAN21_T2V_1_3B)})
-            ratios_source = "Wan2.1-T2V-1.3B's published curve (stand-in: this model has none)"
+        if published is None:  # a released model's curve, so the skip pattern is a real one
+            ratios_source, ratios = family_bench("mag-ratios", family.FAMILY)()
+            cache = dataclasses.replace(cache, mag_ratios=ratios)
         else:
             ratios_source = published[0]
     result = {"machine": _machine(runtime), "family": family.FAMILY,
@@ -167,7 +165,7 @@ def bench_step_cache(model: str | None, generation: str, height: int, width: int
             family.sample(embeddings, dataclasses.replace(settings, seed=i + 1))
             runs.append(time.perf_counter() - start)
         report = family.step_cache_report or {"transformer_block_runs": steps * len(
-            getattr(family._parts["transformer"], family.STEP_CACHE_BLOCKS.attribute)), "skipped": 0}
+            getattr(family.component("transformer"), family.STEP_CACHE_BLOCKS.attribute)), "skipped": 0}
         result[name] = {"sampler_s": runs, "median_s": statistics.median(runs), "compiles": compiles,
                         "block_runs": report["transformer_block_runs"], "skipped_steps": report["skipped"],
                         "skipped": report.get("skipped_steps", [])}
@@ -211,8 +209,8 @@ def _decode_variants(family, latents, option: str, choices) -> dict:
 
 
 def _decode_vs_eager(family, pipe, latents) -> dict:
-    """Our compiled VAE decode (batch by batch for CogVideoX, frame by frame for Wan) against diffusers' eager
-    ``vae.decode`` on the same latents and weights, and against our decode as one unrolled program."""
+    """Our compiled VAE decode (streamed where the family streams it) against diffusers' eager ``vae.decode`` on the
+    same latents and weights, and, where the family offers one, against our decode as one unrolled program."""
     import torch
 
     vae = pipe.vae
@@ -228,210 +226,37 @@ def _decode_vs_eager(family, pipe, latents) -> dict:
     eager_s = _timed(eager)
     loop = getattr(family, "decode_loop", None)
     unrolled_s = unrolled_compile_s = None
-    if loop is not None:  # a streamed decode (CogVideoX, Wan): also one program for all frames, for comparison
-        family.decode_loop = "unrolled"
-        family.decode(latents)
+    if "unrolled" in family.decode_variants().get("loop", ()):  # a streamed decode: also one program for all frames
+        family.decode(latents, loop="unrolled")
         unrolled_compile_s = family.timings.compile["decode"] - compiled
-        unrolled_s = _timed(lambda: family.decode(latents))
-        family.decode_loop = loop
+        unrolled_s = _timed(lambda: family.decode(latents, loop="unrolled"))
     return {"ours_run_s_median": ours_s, "diffusers_eager_s_median": eager_s, "ratio_ours_over_eager": ours_s / eager_s,
             "loop": loop, "compile_s": compiled, "memory_analysis": dict(program.memory),
             "unrolled_run_s_median": unrolled_s, "unrolled_compile_s": unrolled_compile_s}
 
 
-# --- loading weights ------------------------------------------------------------------------------------------------
-_LOAD_CHILD = r"""
-import json, os, sys, threading, time
-import torch
-
-how, path, dtype = sys.argv[1], sys.argv[2], getattr(torch, sys.argv[3])
-if how == "diffusers-folder":  # as users without accelerate run it (our CLI never needs it)
-    sys.modules["accelerate"] = sys.modules["peft"] = None  # not installed (peft needs accelerate)
-
-def rss():  # (anonymous, file-backed) resident bytes
-    fields = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith("Rss"))
-    return int(fields["RssAnon"].split()[0]) * 1024, int(fields["RssFile"].split()[0]) * 1024
-from tpu_runtime.engine.family import builder
-from tpu_runtime.engine.weights import TensorSource, keep_fp32_modules, load_into_meta_module, safetensors_files
-from tpu_runtime.families.wan.files import transformer_names
-from diffusers import CogVideoXTransformer3DModel, WanTransformer3DModel
-before, peak, done = rss(), [0, 0], threading.Event()
-def watch():
-    while not done.is_set():
-        now = rss()
-        peak[0], peak[1] = max(peak[0], now[0]), max(peak[1], now[1])
-        time.sleep(0.005)
-watcher = threading.Thread(target=watch); watcher.start()
-start = time.perf_counter()
-if how == "wan-file":
-    config, names = transformer_names(path)
-    model = load_into_meta_module(lambda: WanTransformer3DModel(**config), TensorSource([path]), names, dtype,
-                                  "bench", keep_fp32=keep_fp32_modules(WanTransformer3DModel, dtype))
-elif how == "cogvideox-folder":  # what CogVideoXFamily does for its transformer
-    config = json.loads(open(os.path.join(path, "config.json")).read())
-    source = TensorSource(safetensors_files(__import__("pathlib").Path(path)))
-    model = load_into_meta_module(builder(CogVideoXTransformer3DModel, config), source,
-                                  {k: k for k in source.keys()}, dtype, "bench",
-                                  keep_fp32=keep_fp32_modules(CogVideoXTransformer3DModel, dtype))
-elif how.startswith("ltx2-"):  # LTX-2 opened from its files or folder, the transformer placed on the devices
-    from tpu_runtime.families.ltx2.model import LTX2Family
-    if how == "ltx2-folder":
-        family = LTX2Family(path, dtype=sys.argv[3])
-    else:
-        folder = __import__("pathlib").Path(path)
-        family = LTX2Family(files={"checkpoint": folder / f"ltx2_tiny_{how[5:]}.safetensors",
-                                   "text_encoder": folder / f"gemma_tiny_{how[5:]}.safetensors"}, dtype=sys.argv[3])
-    family._component("transformer")
-    class model:  # what was placed
-        def parameters():
-            return [torch.empty(tuple(v.shape), dtype=torch.uint8, device="meta").expand(v.dtype.itemsize, *v.shape)
-                    for v in family._states["transformer"].values()]
-else:  # what CogVideoXFamily did before: diffusers' from_pretrained
-    model = CogVideoXTransformer3DModel.from_pretrained(path, dtype=dtype)
-seconds = time.perf_counter() - start
-done.set(); watcher.join()
-params = sum(p.numel() * p.element_size() for p in model.parameters())
-print(json.dumps({"seconds": seconds, "anon_increase_mib": (peak[0] - before[0]) / 2**20,
-                  "file_pages_increase_mib": (peak[1] - before[1]) / 2**20, "loaded_bytes": params}))
-"""
-
-
-def _load_in_child(how: str, path: Path, dtype: str) -> dict:
-    """Load ``path`` the way ``how`` names in a fresh process: host seconds, peak memory, and whether anything
-    mentioned accelerate on stderr."""
-    proc = subprocess.run([sys.executable, "-c", _LOAD_CHILD, how, str(path), dtype], capture_output=True, text=True)
+def load_in_child(ref: str, path: Path, dtype: str, no_accelerate: bool = False) -> dict:
+    """Load ``path`` with the loader ``ref`` names ("module:function") in a fresh process (``load_child.py``):
+    host seconds, peak memory, and whether anything mentioned accelerate on stderr."""
+    command = [sys.executable, "-m", "tpu_runtime.tools.load_child", ref, str(path), dtype]
+    proc = subprocess.run(command + (["--no-accelerate"] if no_accelerate else []), capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-2000:])
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "mentions_accelerate": "accelerate" in proc.stderr}
 
 
-def bench_single_file_load(size_mb: int, dtypes=("bfloat16", "float32")) -> dict:
-    """Write a random Wan transformer of about ``size_mb`` MB (fp16, original key names), then load it with our
-    loader in fresh processes, once per run dtype: host seconds and peak host memory."""
-    import torch
-    from diffusers import WanTransformer3DModel
-    from safetensors.torch import save_file
+def family_bench(name: str, family: str):
+    """The benchmark ``name`` of ``family`` (a family's name, or a demo's): its own, else the first family's that
+    has one (the registry's order)."""
+    from ..errors import InputError
+    from ..families import registry
 
-    from ..families.wan.files import wan_transformer_to_original
-
-    work = Path(tempfile.mkdtemp(prefix="tpu_video_load_"))
-    dim, ffn = 1536, 8960  # Wan 2.1 1.3B's width; layers chosen for the size
-    per_layer = (8 * dim * dim + 2 * dim * ffn) * 2
-    layers = max(1, round(size_mb * 2**20 / per_layer))
-    with torch.device("meta"):
-        meta = WanTransformer3DModel(num_attention_heads=12, attention_head_dim=128, ffn_dim=ffn, num_layers=layers,
-                                     text_dim=4096, freq_dim=256)
-    tensors = {"model.diffusion_model." + wan_transformer_to_original(k):
-               (torch.randn(tuple(v.shape)) * 0.02).to(torch.float16) for k, v in meta.state_dict().items()}
-    path = work / "wan_transformer_fp16.safetensors"
-    save_file(tensors, str(path))
-    del tensors
-    out = {"file_mb": path.stat().st_size / 2**20, "layers": layers}
-    for dtype in dtypes:
-        out[dtype] = _load_in_child("wan-file", path, dtype)
-    path.unlink()
-    return out
-
-
-def bench_ltx2_file_load(size_mb: int, dtypes=("bfloat16",)) -> dict:
-    """A tiny LTX-2.0 folder whose transformer is replaced by a random one of about ``size_mb`` MB in bfloat16 (16
-    heads of 64, layers chosen for the size), written as ComfyUI's all-in-one checkpoint in bf16 and in fp8 (the
-    blocks' matrices float8 with their scales, as the released fp8 file), and kept as its folder (float32): each
-    opened in a fresh process and its transformer placed; host seconds and peak host memory."""
-    import torch
-    from diffusers import LTX2VideoTransformer3DModel
-
-    from ..families.ltx2.bench import export_comfy_files
-    from ..families.ltx2.tiny import build_tiny_ltx2, transformer_config
-
-    work = Path(tempfile.mkdtemp(prefix="tpu_video_load_"))
-    folder = build_tiny_ltx2(work / "ltx2", "2.0", upsampler=False, fp8=True)
-    config = dict(transformer_config("2.0"), num_attention_heads=16, attention_head_dim=64, cross_attention_dim=1024,
-                  audio_num_attention_heads=16, audio_attention_head_dim=32, audio_cross_attention_dim=512)
-    video, audio = 1024, 512  # per block: both streams' attentions (4 + 4 + 2 cross-modal) and feed-forwards
-    per_layer = (2 * 4 * video * video + 2 * 4 * audio * audio + 2 * 4 * video * audio + 8 * video * video
-                 + 8 * audio * audio) * 2
-    config["num_layers"] = max(1, round(size_mb * 2**20 / per_layer))
-    torch.manual_seed(0)
-    model = LTX2VideoTransformer3DModel(**config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.02)
-    model.save_pretrained(folder / "transformer")
-    del model
-    files = {dtype: export_comfy_files(folder, work / "files", dtype) for dtype in ("bf16", "fp8")}
-    out = {"layers": config["num_layers"], "folder_mb": sum(
-        f.stat().st_size for f in (folder / "transformer").iterdir()) / 2**20,
-        "checkpoint_mb": {k: v["checkpoint"].stat().st_size / 2**20 for k, v in files.items()}}
-    out["fp8_dequantise"] = _fp8_dequantise_speed(files["fp8"]["checkpoint"])
-    for dtype in dtypes:
-        out[dtype] = {"bf16": _load_in_child("ltx2-bf16", work / "files", dtype),
-                      "fp8": _load_in_child("ltx2-fp8", work / "files", dtype),
-                      "folder": _load_in_child("ltx2-folder", folder, dtype)}
-    return out
-
-
-def _fp8_dequantise_speed(path: Path, repeats: int = 3) -> dict:
-    """Seconds per fp8 weight of a checkpoint turned into bfloat16 x scale: the loader's table (``TensorSource.get``)
-    against torch's elementwise ``(q.float() * scale).to(bfloat16)``, in this process, medians of ``repeats``."""
-    import torch
-
-    from ..engine.weights import TensorSource
-
-    source = TensorSource([path])
-    keys = [k for k in source.keys() if source.raw(k).dtype == torch.float8_e4m3fn]
-    weights = sum(source.raw(k).numel() for k in keys)
-
-    def table():
-        for k in keys:
-            source.get(k, torch.bfloat16)
-
-    def elementwise():
-        for k in keys:
-            (source.raw(k).float() * source.raw(k[: -len("weight")] + "weight_scale").float()).to(torch.bfloat16)
-
-    return {"weights": weights, "table_s": _timed(table, repeats), "torch_s": _timed(elementwise, repeats)}
-
-
-def print_ltx2_load_table(r: dict) -> None:
-    print(f"\nLTX-2.0 transformer of {r['layers']} blocks (16 heads of 64): all-in-one checkpoint bf16 "
-          f"{r['checkpoint_mb']['bf16']:.0f} MiB, fp8 {r['checkpoint_mb']['fp8']:.0f} MiB, diffusers folder "
-          f"{r['folder_mb']:.0f} MiB float32; each opened in a fresh process, the transformer placed")
-    print(f"  {'run dtype':<10} {'source':<22} {'host s':>7} {'placed MiB':>11} {'peak allocated MiB':>19}")
-    for dtype in ("bfloat16", "float32"):
-        for way, label in (("bf16", "checkpoint (bf16)"), ("fp8", "checkpoint (fp8)"), ("folder", "folder (fp32)")):
-            if dtype in r:
-                x = r[dtype][way]
-                print(f"  {dtype:<10} {label:<22} {x['seconds']:>7.2f} {x['loaded_bytes'] / 2**20:>11.0f} "
-                      f"{x['anon_increase_mib']:>19.0f}")
-    print("  (on a CPU backend the placed copy is host memory too)")
-    d = r["fp8_dequantise"]
-    print(f"  fp8 -> bfloat16 x scale, {d['weights'] / 1e6:.0f}M weights in this process: the loader's table "
-          f"{d['table_s'] * 1e9 / d['weights']:.2f} ns a weight, torch elementwise "
-          f"{d['torch_s'] * 1e9 / d['weights']:.2f} ns ({d['torch_s'] / d['table_s']:.1f}x)")
-
-
-def bench_folder_load(size_mb: int, dtypes=("bfloat16", "float32")) -> dict:
-    """Write a random CogVideoX transformer folder of about ``size_mb`` MB (float32 safetensors, diffusers
-    layout), then load it in fresh processes, once per run dtype, two ways: the family's loader (built on
-    ``meta``, each tensor assigned once) and diffusers' ``from_pretrained`` without accelerate (how CogVideoX
-    loaded before the families shared one loading path)."""
-    from diffusers import CogVideoXTransformer3DModel
-
-    work = Path(tempfile.mkdtemp(prefix="tpu_video_load_"))
-    heads, head_dim = 16, 64  # a narrow CogVideoX-5b: RoPE, 1024 wide; layers chosen for the size
-    dim = heads * head_dim
-    layers = max(1, round(size_mb * 2**20 / ((4 * dim * dim + 8 * dim * dim + 12 * 512 * dim) * 4)))
-    model = CogVideoXTransformer3DModel(num_attention_heads=heads, attention_head_dim=head_dim, num_layers=layers,
-                                        use_rotary_positional_embeddings=True, text_embed_dim=1024)
-    folder = work / "transformer"
-    model.save_pretrained(folder)
-    del model
-    out = {"folder_mb": sum(f.stat().st_size for f in folder.iterdir()) / 2**20, "layers": layers}
-    for dtype in dtypes:
-        out[dtype] = {"ours": _load_in_child("cogvideox-folder", folder, dtype),
-                      "from_pretrained": _load_in_child("diffusers-folder", folder, dtype)}
-    return out
+    specs = [s for s in registry.FAMILIES if s.name == family] or \
+        [spec for n, (spec, _) in registry.demos().items() if n == family]
+    for spec in specs + registry.FAMILIES:
+        if name in spec.bench:
+            return spec.load(spec.bench[name])
+    raise InputError(f"no model family has a {name} benchmark")
 
 
 def _machine(runtime=None) -> dict:
@@ -440,68 +265,6 @@ def _machine(runtime=None) -> dict:
     runtime = runtime or get_runtime()
     return {"platform": platform.platform(), "processor": platform.machine(), "backend": runtime.backend,
             "devices": len(runtime.devices), "device_kind": runtime.devices[0].device_kind}
-
-
-def bench_lora_merge(widths=(256, 512, 1024), ranks=(4, 32, 128), layers: int = 4, repeats: int = 3) -> dict:
-    """Time merging a LoRA into tiny random Wan transformers of several widths (every attention and feed-forward
-    linear of every block, the way the distillation LoRAs touch them) at several ranks: the first merge (file
-    read, host copy of the loaded weights, merge programs compiled) and a change of strength (no compile)."""
-    import numpy as np
-
-    from ..engine.lora import LoraSpec
-    from ..engine.runtime import compile_stats
-    from ..families.wan.model import WanFamily
-    from ..families.wan.tiny import TinyWanSpec, build_tiny_lora, build_tiny_wan
-
-    work = Path(tempfile.mkdtemp(prefix="tpu_video_lora_"))
-    rows = []
-    for width in widths:
-        folder = build_tiny_wan(work / f"wan_{width}", "2.1", spec=TinyWanSpec(heads=width // 128, layers=layers,
-                                                                                ffn=4 * width))
-        family = WanFamily(folder, dtype="float32")
-        family._component("transformer")
-        state = family._states["transformer"]
-        for rank in ranks:
-            path = build_tiny_lora(folder / "transformer", work / f"lora_{width}_{rank}.safetensors", "comfy",
-                                   rank=rank)
-            family.apply_loras({"transformer": ()})
-            family._loras.clear()  # a fresh start: no host copies yet
-            before = compile_stats()
-            start = time.perf_counter()
-            family.apply_loras({"transformer": (LoraSpec(str(path), 1.0),)})
-            first = time.perf_counter() - start
-            compiles = compile_stats().since(before).xla_compiles
-            changes = []
-            for i in range(repeats):
-                start = time.perf_counter()
-                family.apply_loras({"transformer": (LoraSpec(str(path), 0.5 + 0.1 * i),)})
-                changes.append(time.perf_counter() - start)
-            touched = family._loras["transformer"].touched
-            rows.append({"width": width, "rank": rank, "layers": layers, "weights_merged": len(touched),
-                         "merged_params": int(sum(np.prod(state[n].shape) for n in touched)),
-                         "lora_params": int(sum(t.numel() for t in _lora_tensors(path))),
-                         "first_merge_s": first, "first_merge_compiles": compiles,
-                         "strength_change_s_median": statistics.median(changes)})
-        family.release()
-    return {"machine": _machine(), "rows": rows}
-
-
-def _lora_tensors(path: Path):
-    from safetensors.torch import load_file
-
-    return [t for k, t in load_file(str(path)).items() if not k.endswith(".alpha")]
-
-
-def print_lora_table(r: dict) -> None:
-    m = r["machine"]
-    print(f"\nLoRA merge on tiny Wan transformers (all attention and feed-forward linears), "
-          f"JAX {m['backend']} x{m['devices']}, float32")
-    print(f"  {'width':>6} {'rank':>5} {'weights':>8} {'merged Mparams':>15} {'LoRA Mparams':>13} "
-          f"{'first merge s':>14} {'compiles':>9} {'new strength s':>15}")
-    for x in r["rows"]:
-        print(f"  {x['width']:>6} {x['rank']:>5} {x['weights_merged']:>8} {x['merged_params'] / 1e6:>15.2f} "
-              f"{x['lora_params'] / 1e6:>13.3f} {x['first_merge_s']:>14.3f} {x['first_merge_compiles']:>9} "
-              f"{x['strength_change_s_median']:>15.3f}")
 
 
 # --- output ------------------------------------------------------------------------------------------------------
@@ -539,77 +302,51 @@ def print_table(r: dict) -> None:
     print(f"\n  peak host memory {r['peak_host_mib']:.0f} MiB")
 
 
-def print_folder_load_table(r: dict) -> None:
-    print(f"\nCogVideoX transformer folder: {r['folder_mb']:.0f} MiB float32 ({r['layers']} layers, 1024 wide), "
-          "each load in a fresh process")
-    print(f"  {'run dtype':<10} {'loader':<28} {'host s':>7} {'peak allocated MiB':>19} {'mentions accelerate':>20}")
-    for dtype in ("bfloat16", "float32"):
-        for way, label in (("ours", "ours (meta, one copy)"), ("from_pretrained", "diffusers from_pretrained")):
-            if dtype in r:
-                x = r[dtype][way]
-                print(f"  {dtype:<10} {label:<28} {x['seconds']:>7.2f} {x['anon_increase_mib']:>19.0f} "
-                      f"{str(x['mentions_accelerate']):>20}")
-
-
-def print_load_table(r: dict) -> None:
-    print(f"\nsingle-file Wan transformer: {r['file_mb']:.0f} MiB fp16 ({r['layers']} layers of Wan 2.1 1.3B width), "
-          "loaded by our loader in a fresh process")
-    print(f"  {'run dtype':<10} {'host s':>7} {'weights MiB':>12} {'peak allocated MiB':>19} "
-          f"{'peak mapped file MiB':>21}")
-    for dtype in ("bfloat16", "float32"):
-        if dtype in r:
-            x = r[dtype]
-            print(f"  {dtype:<10} {x['seconds']:>7.2f} {x['loaded_bytes'] / 2**20:>12.0f} "
-                  f"{x['anon_increase_mib']:>19.0f} {x['file_pages_increase_mib']:>21.0f}")
-    print("  (allocated: anonymous memory the load added; mapped file: pages of the memory-mapped file, clean page "
-          "cache the kernel can drop)")
-
-
 def add_args(p) -> None:
-    p.add_argument("--model", help="a CogVideoX or Wan diffusers folder (default: a tiny random-weight model "
-                   "built now)")
     from ..families import registry
+
+    p.add_argument("--model", help="a diffusers folder (default: a tiny random-weight model built now)")
 
     p.add_argument("--generation", choices=list(registry.demos()), default="2b", help="for the tiny model")
     p.add_argument("--height", type=int, help="default: the tiny model's (64)")
-    p.add_argument("--width", type=int, help="default: the tiny model's (96; 64 for CogVideoX 1.5)")
-    p.add_argument("--frames", type=int, help="default: the tiny model's (9; 17 for CogVideoX 1.5)")
+    p.add_argument("--width", type=int, help="default: the tiny model's")
+    p.add_argument("--frames", type=int, help="default: the tiny model's")
     p.add_argument("--steps", type=int, default=4, help="denoising steps of each generation")
     p.add_argument("--repeats", type=int, default=2, help="warm runs after the cold one")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="auto: bfloat16 on TPU/GPU, float32 on CPU")
-    p.add_argument("--load-file-mb", type=int, help="instead: time loading a single-file Wan transformer of this size "
-                   "(--generation ltx2: LTX-2's checkpoint in bf16 and fp8 against its folder)")
-    p.add_argument("--load-folder-mb", type=int, help="instead: time loading a CogVideoX transformer folder of this "
-                   "size, ours against diffusers' from_pretrained")
+    owners = lambda name: ", ".join(s.display_name for s in registry.FAMILIES if name in s.bench)  # noqa: E731
+    p.add_argument("--load-file-mb", type=int, help="instead: time loading ComfyUI's single file(s) of a model of "
+                   f"about this size, the --generation's family's (else the first's; {owners('load-file')})")
+    p.add_argument("--load-folder-mb", type=int, help="instead: time loading a transformer folder of this size, ours "
+                   f"against diffusers' from_pretrained ({owners('load-folder')})")
     p.add_argument("--lora-merge", action="store_true", help="instead: time merging LoRAs of several ranks into tiny "
-                   "Wan transformers of several widths")
+                   f"transformers of several widths ({owners('lora-merge')})")
     p.add_argument("--cache", choices=["magcache", "first-block"], help="instead: the sampler with and without "
                    "this step cache, in one process (use --steps 50)")
     p.add_argument("--cache-threshold", type=float, help="with --cache (default: diffusers')")
-    p.add_argument("--mag-ratios", help="with --cache magcache (default: the model's published ones; a tiny model: "
-                   "Wan 2.1 T2V 1.3B's)")
-    p.add_argument("--comfy-native", action="store_true", help="instead: ComfyUI's own sampling of its own Wan model, "
+    p.add_argument("--mag-ratios", help="with --cache magcache (default: the model's published ones; a model without "
+                   "any: a released model's published curve)")
+    p.add_argument("--comfy-native", action="store_true", help="instead: ComfyUI's own sampling of its own model, "
                    "natively and through TPU Diffusion Model (needs --comfy)")
     p.add_argument("--comfy", metavar="COMFYUI_DIR", help="with --comfy-native: the ComfyUI folder")
-    p.add_argument("--comfy-file", help="with --comfy-native: a Wan diffusion model file of ComfyUI's (default: a "
+    p.add_argument("--comfy-file", help="with --comfy-native: a diffusion model file of ComfyUI's (default: a "
                    "tiny random-weight one built on the spot)")
     p.add_argument("--json", help="also write the results here")
 
 
 def main(args) -> int:
-    if args.load_file_mb and args.generation == "ltx2":
-        r = bench_ltx2_file_load(args.load_file_mb)
-        print_ltx2_load_table(r)
-    elif args.load_file_mb:
-        r = bench_single_file_load(args.load_file_mb)
-        print_load_table(r)
+    tools = SimpleNamespace(load_in_child=load_in_child, timed=_timed)  # what a family's loading benchmark uses
+    if args.load_file_mb:
+        r, table = family_bench("load-file", args.generation)(args.load_file_mb, tools)
+        print(table)
     elif args.load_folder_mb:
-        r = bench_folder_load(args.load_folder_mb)
-        print_folder_load_table(r)
+        r, table = family_bench("load-folder", args.generation)(args.load_folder_mb, tools)
+        print(table)
     elif args.lora_merge:
-        r = bench_lora_merge()
-        print_lora_table(r)
+        r, table = family_bench("lora-merge", args.generation)()
+        r["machine"] = _machine()
+        print(table)
     elif args.cache:
         from ..families import registry
 
