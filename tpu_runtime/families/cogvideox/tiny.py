@@ -29,13 +29,8 @@ def build_tiny_cogvideox(directory: str | Path, generation: str = "2b", seed: in
     ``image_to_video`` (5b, 1.5): the I2V model of that generation (image latents concatenated on channels;
     5b-I2V's learned positions, 1.5-I2V's ``ofs`` embedding and inverted latent scaling)."""
     import torch
-    from diffusers import (
-        AutoencoderKLCogVideoX,
-        CogVideoXDDIMScheduler,
-        CogVideoXDPMScheduler,
-        CogVideoXTransformer3DModel,
-    )
-    from transformers import T5Config, T5EncoderModel
+    from diffusers import CogVideoXDDIMScheduler, CogVideoXDPMScheduler
+    from transformers import AutoTokenizer, T5Config, T5EncoderModel
 
     if generation not in GENERATIONS:
         raise ValueError(f"generation must be one of {GENERATIONS}, got {generation!r}")
@@ -47,8 +42,6 @@ def build_tiny_cogvideox(directory: str | Path, generation: str = "2b", seed: in
     torch.manual_seed(seed)
 
     build_t5_tokenizer(directory / "tokenizer")
-    from transformers import AutoTokenizer
-
     vocab = len(AutoTokenizer.from_pretrained(directory / "tokenizer"))
     t5 = T5EncoderModel(
         T5Config(
@@ -58,51 +51,8 @@ def build_tiny_cogvideox(directory: str | Path, generation: str = "2b", seed: in
         )
     ).eval()
     t5.save_pretrained(directory / "text_encoder")
-
-    latent_size = spec.sample_size // 8
-    rope = generation in ("5b", "1.5")
-    transformer = CogVideoXTransformer3DModel(
-        num_attention_heads=spec.heads,
-        attention_head_dim=spec.head_dim,
-        in_channels=8 if image_to_video else 4,
-        out_channels=4,
-        time_embed_dim=8,
-        ofs_embed_dim=8 if image_to_video and generation == "1.5" else None,
-        text_embed_dim=32,
-        num_layers=spec.layers,
-        sample_width=latent_size,
-        sample_height=latent_size,
-        sample_frames=9 if generation != "1.5" else 17,
-        patch_size=2,
-        patch_size_t=2 if generation == "1.5" else None,
-        temporal_compression_ratio=4,
-        max_text_seq_length=spec.text_len,
-        use_rotary_positional_embeddings=rope,
-        use_learned_positional_embeddings=image_to_video and generation == "5b",
-        patch_bias=generation != "1.5",
-    ).eval()
-    # Random init leaves some projections at zero; give every weight a visible value so tests can't pass trivially.
-    with torch.no_grad():
-        for p in transformer.parameters():
-            p.normal_(0.0, 0.2)
-    transformer.save_pretrained(directory / "transformer")
-
-    vae = AutoencoderKLCogVideoX(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("CogVideoXDownBlock3D",) * 4,
-        up_block_types=("CogVideoXUpBlock3D",) * 4,
-        block_out_channels=(8, 8, 8, 8),
-        latent_channels=4,
-        layers_per_block=1,
-        norm_num_groups=2,
-        temporal_compression_ratio=4,
-        sample_height=spec.sample_size,
-        sample_width=spec.sample_size,
-        scaling_factor=1.15258426 if generation == "2b" else 0.7,
-        invert_scale_latents=generation == "1.5",
-    ).eval()
-    vae.save_pretrained(directory / "vae")
+    _write_transformer(directory / "transformer", generation, spec, image_to_video)
+    _write_vae(directory / "vae", generation, spec)
 
     snr_shift = 3.0 if generation == "2b" else 1.0
     scheduler_kwargs = dict(
@@ -123,6 +73,59 @@ def build_tiny_cogvideox(directory: str | Path, generation: str = "2b", seed: in
         "vae": ["diffusers", "AutoencoderKLCogVideoX"],
     }
     return finish(directory, model_index, f"CogVideoX-{generation}{'-I2V' if image_to_video else ''}", seed)
+
+
+def _write_transformer(folder: Path, generation: str, spec: TinySpec, image_to_video: bool) -> None:
+    import torch
+    from diffusers import CogVideoXTransformer3DModel
+
+    latent_size = spec.sample_size // 8
+    transformer = CogVideoXTransformer3DModel(
+        num_attention_heads=spec.heads,
+        attention_head_dim=spec.head_dim,
+        in_channels=8 if image_to_video else 4,
+        out_channels=4,
+        time_embed_dim=8,
+        ofs_embed_dim=8 if image_to_video and generation == "1.5" else None,
+        text_embed_dim=32,
+        num_layers=spec.layers,
+        sample_width=latent_size,
+        sample_height=latent_size,
+        sample_frames=9 if generation != "1.5" else 17,
+        patch_size=2,
+        patch_size_t=2 if generation == "1.5" else None,
+        temporal_compression_ratio=4,
+        max_text_seq_length=spec.text_len,
+        use_rotary_positional_embeddings=generation in ("5b", "1.5"),
+        use_learned_positional_embeddings=image_to_video and generation == "5b",
+        patch_bias=generation != "1.5",
+    ).eval()
+    # Random init leaves some projections at zero; give every weight a visible value so tests can't pass trivially.
+    with torch.no_grad():
+        for p in transformer.parameters():
+            p.normal_(0.0, 0.2)
+    transformer.save_pretrained(folder)
+
+
+def _write_vae(folder: Path, generation: str, spec: TinySpec) -> None:
+    from diffusers import AutoencoderKLCogVideoX
+
+    vae = AutoencoderKLCogVideoX(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("CogVideoXDownBlock3D",) * 4,
+        up_block_types=("CogVideoXUpBlock3D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=2,
+        temporal_compression_ratio=4,
+        sample_height=spec.sample_size,
+        sample_width=spec.sample_size,
+        scaling_factor=1.15258426 if generation == "2b" else 0.7,
+        invert_scale_latents=generation == "1.5",
+    ).eval()
+    vae.save_pretrained(folder)
 
 
 LORA_TARGETS = (r"transformer_blocks\.\d+\.attn1\.(to_q|to_k|to_v|to_out\.0)\.weight|"

@@ -236,52 +236,16 @@ def vae_names(path: Path) -> tuple[dict, dict[str, str]]:
     z_dim = _shape(header, "conv2.weight", path, what)[0]
     conv_in = _shape(header, "encoder.conv1.weight", path, what)
     decoder_in = _shape(header, "decoder.conv1.weight", path, what)
-    # Decoder: stages of residual blocks, each but the last ending in an up-sampler.
-    names: dict[str, str] = {}
-    flat_up = sorted({int(k.split(".")[2]) for k in header if k.startswith("decoder.upsamples.")})
-    stage, j, up_stage_of = 0, 0, {}
-    if not residual:
-        for n in flat_up:
-            is_resample = any(k.startswith(f"decoder.upsamples.{n}.resample") or
-                              k.startswith(f"decoder.upsamples.{n}.time_conv") for k in header)
-            up_stage_of[n] = (stage, None if is_resample else j)
-            if is_resample:
-                stage, j = stage + 1, 0
-            else:
-                j += 1
-    stages = len({s for s, _ in up_stage_of.values()}) if not residual else len(flat_up)
+    up_stage_of = {} if residual else _up_stages(header)
+    stages = len({s for s, _ in up_stage_of.values()}) if not residual else \
+        len({int(k.split(".")[2]) for k in header if k.startswith("decoder.upsamples.")})
     res_per_up_stage = max((jj for _, jj in up_stage_of.values() if jj is not None), default=0) + 1
     aux = quant_aux(header)
+    names: dict[str, str] = {}
     for key in header:
         if key in aux:
             continue
-        new = None
-        m = re.match(r"(encoder|decoder)\.middle\.(\d)\.(.*)", key)
-        if m:
-            part, idx, rest = m.groups()
-            new = (f"{part}.mid_block.attentions.0.{rest}" if idx == "1"
-                   else f"{part}.mid_block.resnets.{int(idx) // 2}.{_residual(rest)}")
-        elif (m := re.match(r"encoder\.downsamples\.(\d+)\.downsamples\.(\d+)\.(.*)", key)):  # 2.2
-            s, jj, rest = m.groups()
-            new = (f"encoder.down_blocks.{s}.downsampler.{rest}" if rest.startswith(("resample", "time_conv"))
-                   else f"encoder.down_blocks.{s}.resnets.{jj}.{_residual(rest)}")
-        elif (m := re.match(r"decoder\.upsamples\.(\d+)\.upsamples\.(\d+)\.(.*)", key)):  # 2.2
-            s, jj, rest = m.groups()
-            new = (f"decoder.up_blocks.{s}.upsampler.{rest}" if rest.startswith(("resample", "time_conv"))
-                   else f"decoder.up_blocks.{s}.resnets.{jj}.{_residual(rest)}")
-        elif (m := re.match(r"encoder\.downsamples\.(\d+)\.(.*)", key)):  # 2.1: one flat list
-            n, rest = m.groups()
-            new = f"encoder.down_blocks.{n}.{_residual(rest)}"
-        elif (m := re.match(r"decoder\.upsamples\.(\d+)\.(.*)", key)):  # 2.1: flat, grouped into stages
-            n, rest = m.groups()
-            s, jj = up_stage_of[int(n)]
-            new = (f"decoder.up_blocks.{s}.upsamplers.0.{rest}" if jj is None
-                   else f"decoder.up_blocks.{s}.resnets.{jj}.{_residual(rest)}")
-        else:
-            for old, repl in _FIXED.items():
-                if key.startswith(old):
-                    new = repl + key[len(old):]
-                    break
+        new = _vae_name(key, up_stage_of)
         if new is None:
             raise ModelFolderError(f"{path}: tensor {key} is not part of a Wan VAE this pack knows")
         names[key] = new
@@ -313,6 +277,50 @@ def vae_names(path: Path) -> tuple[dict, dict[str, str]]:
     if residual:
         config["decoder_base_dim"] = decoder_in[0] // config["dim_mult"][-1]
     return config, names
+
+
+def _up_stages(header) -> dict[int, tuple[int, int | None]]:
+    """Wan 2.1's decoder: one flat list of blocks, in stages of residual blocks each but the last ending in an
+    up-sampler; flat index -> (stage, residual block index, None for the up-sampler)."""
+    stage, j, up_stage_of = 0, 0, {}
+    for n in sorted({int(k.split(".")[2]) for k in header if k.startswith("decoder.upsamples.")}):
+        is_resample = any(k.startswith(f"decoder.upsamples.{n}.resample") or
+                          k.startswith(f"decoder.upsamples.{n}.time_conv") for k in header)
+        up_stage_of[n] = (stage, None if is_resample else j)
+        if is_resample:
+            stage, j = stage + 1, 0
+        else:
+            j += 1
+    return up_stage_of
+
+
+def _vae_name(key: str, up_stage_of: dict) -> str | None:
+    """diffusers' name for the VAE tensor ``key`` of ComfyUI's file (None: not a Wan VAE tensor)."""
+    m = re.match(r"(encoder|decoder)\.middle\.(\d)\.(.*)", key)
+    if m:
+        part, idx, rest = m.groups()
+        return (f"{part}.mid_block.attentions.0.{rest}" if idx == "1"
+                else f"{part}.mid_block.resnets.{int(idx) // 2}.{_residual(rest)}")
+    if m := re.match(r"encoder\.downsamples\.(\d+)\.downsamples\.(\d+)\.(.*)", key):  # 2.2
+        s, jj, rest = m.groups()
+        return (f"encoder.down_blocks.{s}.downsampler.{rest}" if rest.startswith(("resample", "time_conv"))
+                else f"encoder.down_blocks.{s}.resnets.{jj}.{_residual(rest)}")
+    if m := re.match(r"decoder\.upsamples\.(\d+)\.upsamples\.(\d+)\.(.*)", key):  # 2.2
+        s, jj, rest = m.groups()
+        return (f"decoder.up_blocks.{s}.upsampler.{rest}" if rest.startswith(("resample", "time_conv"))
+                else f"decoder.up_blocks.{s}.resnets.{jj}.{_residual(rest)}")
+    if m := re.match(r"encoder\.downsamples\.(\d+)\.(.*)", key):  # 2.1: one flat list
+        n, rest = m.groups()
+        return f"encoder.down_blocks.{n}.{_residual(rest)}"
+    if m := re.match(r"decoder\.upsamples\.(\d+)\.(.*)", key):  # 2.1: flat, grouped into stages
+        n, rest = m.groups()
+        s, jj = up_stage_of[int(n)]
+        return (f"decoder.up_blocks.{s}.upsamplers.0.{rest}" if jj is None
+                else f"decoder.up_blocks.{s}.resnets.{jj}.{_residual(rest)}")
+    for old, repl in _FIXED.items():
+        if key.startswith(old):
+            return repl + key[len(old):]
+    return None
 
 
 def _dim_mult(header, base_dim: int, residual: bool, stages: int) -> list[int]:
