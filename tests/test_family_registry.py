@@ -3,6 +3,7 @@
 ``--layers``), the ComfyUI node registration and the multi-host codec, with no edit outside its own files."""
 
 import importlib.util
+import json
 import sys
 from collections import OrderedDict
 
@@ -102,3 +103,61 @@ def test_the_multihost_codec_and_worker_know_the_toy(toy, toy_model):
     assert registry.family_class_named("ToyFamily") is ToyFamily
     family = registry.open_model(str(toy_model), dtype="float32", options=ToyOptions(noise_scale=0.5))
     assert isinstance(family, ToyFamily) and family.options.noise_scale == 0.5
+
+
+def test_the_toy_option_and_stage_reach_every_place_from_its_declaration(toy, toy_model, tmp_path):
+    """The toy declares a sampler option (``toy_noise``), a stage (``sharpen``) and a recipe that runs it
+    (``toy_sharpened``) in its spec alone: the command line has their options, with the declared help and default;
+    the sampler node has the option's input; ``plan`` compiles the stage and plans with the option's default; a
+    multi-host slice replays the stage; and no module outside the toy's files names any of them."""
+    from toy_family.model import ToyFamily
+
+    from tpu_runtime.engine.stages import SampleSettings
+    from tpu_runtime.multihost.codec import Encoder, decode
+    from tpu_runtime.tools.cli import build_parser
+    from tpu_runtime.tools.plan import ModelSource, open_abstract, parse_topology, plan, planned_settings
+
+    # the command line: the option and the recipe, with the declaration's words
+    generate_parser = build_parser()._subparsers._group_actions[0].choices["generate"]
+    helps = {o: a.help for a in generate_parser._actions for o in a.option_strings}
+    assert helps["--toy-noise"] == "how much of the seeded noise the toy starts from (default: 1)"
+    assert helps["--toy-sharpened"] == "the toy's recipe: sample, then sharpen the latents"
+    args = ["generate", "--model", str(toy_model), "--prompt", "a cat", "--dtype", "float32"]
+    from tpu_runtime.tools.cli import main
+
+    assert main(args + ["--output-dir", str(tmp_path / "plain")]) == 0
+    assert main(args + ["--toy-noise", "0.5", "--toy-sharpened", "--output-dir", str(tmp_path / "sharp")]) == 0
+    plain, sharp = (stage_files.load_latents(tmp_path / n).latents for n in ("plain", "sharp"))
+    config = json.loads((tmp_path / "sharp" / "generation_config.json").read_text())
+    assert config["toy_noise"] == 0.5 and config["toy_sharpened"]["stages"] == ["sample", "sharpen"]
+    assert config["steps"] == 3  # the toy's own default steps
+    assert not torch.allclose(plain, sharp)
+    assert main(args + ["--toy-noise", "0", "--output-dir", str(tmp_path / "zero")]) == 2  # the declared rule
+
+    # the node: the option's input, its default and range from the declaration
+    from nodes.kinds import family_nodes
+
+    sampler = family_nodes(toy)[0]["TPUToySampler"]
+    kind, options = sampler.INPUT_TYPES()["required"]["toy_noise"]
+    assert (kind, options["default"], options["max"]) == ("FLOAT", 1.0, 4.0)
+    assert options["tooltip"].startswith("how much of the seeded noise")
+
+    # plan: the stage compiled, the option at its default
+    report = plan(ModelSource("toy-1"), "v6e-8", mesh="dp=1,sp=1,tp=8", layers=1, stages=("sample", "sharpen"))
+    assert set(report.stages) == {"sample", "sharpen"} and report.stages["sharpen"].compiled
+    with pytest.raises(InputError, match="stages"):
+        plan(ModelSource("toy-1"), "v6e-8", mesh="dp=1,sp=1,tp=8", layers=1, stages=("upsample",))
+    devices = parse_topology("v6e-8").devices()
+    abstract = open_abstract(ModelSource("toy-1"), devices, tmp_path, mesh="dp=1,sp=1,tp=8", layers=1)
+    assert abstract.option(planned_settings(abstract, ModelSource("toy-1")), "toy_noise") == 1.0
+
+    # a multi-host slice: the stage replayed like every family's, the option carried by value
+    assert "sharpen" in ToyFamily.stage_calls() and ToyFamily.sharpen.replayed
+    settings = SampleSettings(16, 16, 5, toy_noise=0.5)
+    assert decode(Encoder(OrderedDict(), {})(settings), None) == settings and settings.toy_noise == 0.5
+
+    # no shared module had to name them
+    for folder in ("tpu_runtime", "nodes"):
+        for path in (ROOT / folder).rglob("*.py"):
+            text = path.read_text()
+            assert not any(word in text for word in ("toy_noise", "sharpen", "toy_sharpened")), path

@@ -1,12 +1,29 @@
-"""The shape of the code: no import circle in the engine or the nodes (imports inside functions count too), and the
-detector that says so finds a circle when there is one."""
+"""The shape of the code, measured: no import circle in the engine or the nodes (imports inside functions count
+too), and the detector that says so finds a circle when there is one; no import running back up the layers; the
+modules every family shares name no family; no class over 400 lines, no function over 80."""
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 from conftest import ROOT
 
 PACKAGES = ("tpu_runtime", "nodes")
+
+# The layers, lowest first: a module imports only its own layer's and lower ones. The native bridge (ComfyUI's own
+# models on the runtime) sits beside the families, on the engine; the package's own __init__ and __main__ are the
+# entry points above all.
+LAYERS = {"errors": 0, "_torchax_compat": 0, "engine": 1, "families": 2, "bridge": 2, "multihost": 3, "tools": 4,
+          "nodes": 5}
+# What every family shares: no family is named in their code or messages.
+SHARED = ("tpu_runtime/engine", "tpu_runtime/multihost", "tpu_runtime/tools", "nodes")
+# The native bridge's own modules in those folders (it runs ComfyUI's model classes, which carry the models' names);
+# counted apart.
+BRIDGE = ("nodes/bridge.py", "nodes/comfy_bridge.py", "tpu_runtime/multihost/bridge.py",
+          "tpu_runtime/tools/plan_native.py", "tpu_runtime/tools/bench_native.py")
+MAX_CLASS_LINES, MAX_FUNCTION_LINES = 400, 80
 
 
 def module_names(root: Path, packages) -> dict[str, Path]:
@@ -92,14 +109,95 @@ def test_no_import_circle_in_the_pack():
     assert cycles(graph) == []
 
 
-def test_the_engine_imports_only_the_multihost_hook():
-    """The engine knows no family and, of the multi-host layer, only the small hook module."""
+def layer(module: str) -> str | None:
+    parts = module.split(".")
+    return "nodes" if parts[0] == "nodes" else parts[1] if len(parts) > 1 else None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, what it imports) for every import of a higher layer than the module's own."""
+    return sorted((m, t) for m, imports in graph.items() for t in imports
+                  if layer(m) in LAYERS and layer(t) in LAYERS and LAYERS[layer(t)] > LAYERS[layer(m)])
+
+
+def test_no_import_runs_back_up_the_layers():
+    """The engine knows no family, no multi-host layer, no tool; the families know no tool, and so on."""
     graph = import_graph(ROOT)
-    for module, imports in graph.items():
-        if module.startswith("tpu_runtime.engine"):
-            assert not any(m.startswith("tpu_runtime.families") for m in imports), module
-            assert {m for m in imports if m.startswith("tpu_runtime.multihost")} <= {"tpu_runtime.multihost.hooks"}, \
-                module
+    assert "tpu_runtime.families.registry" in graph["tpu_runtime.multihost.worker"]  # the walk saw the layers
+    assert upward_imports(graph) == []
+    assert upward_imports({"tpu_runtime.engine.x": {"tpu_runtime.multihost.y"}}) == [
+        ("tpu_runtime.engine.x", "tpu_runtime.multihost.y")]
+
+
+def family_words(text: str) -> set[str]:
+    """The words of a name or a message: identifiers split at underscores, case changes and digits."""
+    return {w.lower() for w in re.findall(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|\d+", text)}
+
+
+def names_a_family(text: str, names: list[str]) -> bool:
+    """Whether ``text`` names one of the families ``names`` (each family's name and display name): a long name
+    anywhere in it once separators are dropped ("LTX-2" in "LTX2Family"), a short one as a word ("Wan" in "Wan2.1"
+    but not in "swan")."""
+    joined = re.sub(r"[^a-z0-9]", "", text.lower())
+    words = family_words(text)
+    return any(n in joined if len(n) >= 4 else n in words for n in names)
+
+
+def family_mentions(path: Path, names: list[str]) -> list[tuple[int, str]]:
+    """(line, token) for every identifier and string (docstrings aside) of the module ``path`` naming a family."""
+    source = path.read_text()
+    docstrings = {node.body[0].lineno for node in ast.walk(ast.parse(source))
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+                  and isinstance(node.body[0].value.value, str)}
+    return [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+            if tok.type in (tokenize.NAME, tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", -1))
+            and not (tok.type == tokenize.STRING and tok.start[0] in docstrings) and names_a_family(tok.string, names)]
+
+
+def shared_modules_naming_a_family(root: Path = ROOT) -> dict[str, list]:
+    from tpu_runtime.families import registry
+
+    names = sorted({re.sub(r"[^a-z0-9]", "", n.lower()) for s in registry.FAMILIES for n in (s.name, s.display_name)})
+    found = {}
+    for folder in SHARED:
+        for path in sorted((root / folder).rglob("*.py")):
+            relative = path.relative_to(root).as_posix()
+            mentions = family_mentions(path, names)
+            if mentions and relative not in BRIDGE:
+                found[relative] = mentions
+    return found
+
+
+def test_at_most_two_shared_modules_name_a_family():
+    """A family is a package and a declaration: at most two of the modules every family shares name one (in code
+    or in a message), so a new family changes none of them."""
+    found = shared_modules_naming_a_family()
+    assert len(found) <= 2, found
+    assert names_a_family("LTX2Family", ["ltx2"]) and names_a_family('"Wan2.1-FLF2V"', ["wan"])
+    assert not names_a_family("answer", ["wan"]) and not names_a_family("LTX-Video", ["ltx2"])
+
+
+def sizes(root: Path = ROOT, packages=PACKAGES) -> tuple[list, list]:
+    """(lines, "file:name") of every class and every function of ``packages``, longest first."""
+    classes, functions = [], []
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                entry = (node.end_lineno - node.lineno + 1, f"{path.relative_to(root)}:{node.name}") \
+                    if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) else None
+                if isinstance(node, ast.ClassDef):
+                    classes.append(entry)
+                elif entry is not None:
+                    functions.append(entry)
+    return sorted(classes, reverse=True), sorted(functions, reverse=True)
+
+
+def test_no_class_over_400_lines_and_no_function_over_80():
+    classes, functions = sizes()
+    assert classes and functions
+    assert [c for c in classes if c[0] > MAX_CLASS_LINES] == []
+    assert [f for f in functions if f[0] > MAX_FUNCTION_LINES] == []
 
 
 def test_the_detector_finds_a_circle(tmp_path):
