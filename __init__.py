@@ -1,4 +1,5 @@
-"""TPU video nodes: a ComfyUI custom node pack running CogVideoX and Wan on TPU (and any JAX backend) through torchax.
+"""TPU video nodes: a ComfyUI custom node pack running video diffusion models on TPU (and any JAX backend) through
+torchax: CogVideoX, Wan and LTX-2 as the pack's own families, and ComfyUI's own models through the native bridge.
 
 ComfyUI imports this file at start-up. It only registers node classes: no device is touched until a node runs.
 """

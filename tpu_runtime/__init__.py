@@ -3,8 +3,11 @@
 The package is laid out by role:
 
 - ``engine/``: what every model family shares: the runtime (backend, devices, meshes, compiled programs),
-  sharding, attention, weight loading, schedulers, LoRA, stage values, streamed VAE programs;
-- ``families/``: one package per model family (``cogvideox/``, ``wan/``) and the registry that picks one;
+  sharding, attention, weight loading, schedulers, LoRA, stage values, streamed VAE programs, the family base
+  class and the settings families declare;
+- ``families/``: one package per model family (``cogvideox/``, ``wan/``, ``ltx2/``), each declaring itself once,
+  and the registry that picks one;
+- ``bridge/``: the native bridge: ComfyUI's own models (their torch modules, in the user's graph) on the runtime;
 - ``multihost/``: slices of several hosts (transport, message codec, worker; the engine's side is
   ``engine/replay.py``);
 - ``tools/``: the command line (``generate``, ``demo``, ``bench``, ``plan``, ``worker``), stage files, video.
