@@ -177,11 +177,13 @@ def umt5_tokenizer_data() -> dict:
     return {"spiece_model": torch.frombuffer(bytearray(data), dtype=torch.uint8)}
 
 
-def tiny_text_encoder(kind: str, seed: int = 0, dtype=torch.float32, layers: int = 2, **config):
+def tiny_text_encoder(kind: str, seed: int = 0, dtype=torch.float32, layers: int = 2, fp8: bool = False, **config):
     """ComfyUI's CLIP object for text encoder ``kind`` (``TEXT_KINDS``: umT5 as Wan loads it, T5-XXL as LTX-Video
     does, Qwen 2.5 (ComfyUI's LLaMA-style model), CLIP-L) with random weights, made as ComfyUI's
     ``load_text_encoder_state_dicts`` makes it (``comfy.sd.CLIP`` on the clip type's classes, then ``load_sd``), at
-    a reduced configuration passed the way ComfyUI takes one (``<name>_model_config`` in the model options)."""
+    a reduced configuration passed the way ComfyUI takes one (``<name>_model_config`` in the model options).
+    ``fp8``: as ComfyUI holds a scaled fp8 file (``*_fp8_e4m3fn_scaled``): every linear weight float8_e4m3fn with a
+    per-layer scale, cast inside ComfyUI's ops."""
     import comfy.sd
 
     name, reduced = TEXT_CONFIGS[kind]
@@ -213,9 +215,16 @@ def tiny_text_encoder(kind: str, seed: int = 0, dtype=torch.float32, layers: int
     else:
         raise ValueError(f"unknown text encoder kind {kind!r}: one of {TEXT_KINDS}")
     options = {"dtype": dtype, f"{name}_model_config": reduced}
+    if fp8:
+        options["scaled_fp8"] = torch.float8_e4m3fn
     clip = comfy.sd.CLIP(target, tokenizer_data=tokenizer_data, model_options=options)
     text_model = getattr(clip.cond_stage_model, getattr(clip.cond_stage_model, "clip", name))
-    missing, _ = clip.load_sd(random_state(text_model.transformer, seed))
+    state = random_state(text_model.transformer, seed)
+    for key in [k for k in state if k.endswith(".scale_weight")]:
+        weight = key[: -len("scale_weight")] + "weight"
+        scale = state[weight].abs().max() / 448.0
+        state[weight], state[key] = state[weight] / scale, scale.reshape(())
+    missing, _ = clip.load_sd(state)
     if missing:
         raise RuntimeError(f"tiny {kind} text encoder: weights missing after loading: {missing[:5]}")
     return clip
