@@ -228,3 +228,31 @@ def tiny_text_encoder(kind: str, seed: int = 0, dtype=torch.float32, layers: int
     if missing:
         raise RuntimeError(f"tiny {kind} text encoder: weights missing after loading: {missing[:5]}")
     return clip
+
+
+# umT5 as ComfyUI's Load CLIP (type wan) recognises a file: 24 blocks whose feed-forward reads 4096 features (what its
+# detection looks at), everything else reduced. ComfyUI builds umT5 from its fixed configuration file
+# (comfy/text_encoders/umt5_config_xxl.json): a ComfyUI copy that loads this file needs ``umt5_config(...)`` there.
+UMT5_FILE_CONFIG = {"d_ff": 16, "d_kv": 8, "num_heads": 2, "vocab_size": 96}
+
+
+def umt5_config(comfy_dir: str | Path, **overrides) -> dict:
+    """ComfyUI's umT5-XXL configuration (from the checkout ``comfy_dir``) with ``overrides``."""
+    import json
+
+    path = Path(comfy_dir) / "comfy" / "text_encoders" / "umt5_config_xxl.json"
+    return {**json.loads(path.read_text()), **overrides}
+
+
+def save_umt5(path: Path, config: dict, seed: int, dtype=torch.float16) -> Path:
+    """A umT5 text encoder file in ComfyUI's layout (``umt5_xxl_fp16.safetensors``: the T5 encoder's names, the
+    tokenizer's SentencePiece model inside as ``spiece_model``) for ``config``, with random weights."""
+    import comfy.ops
+    import comfy.text_encoders.t5 as t5
+    from safetensors.torch import save_file
+
+    model = t5.T5(config, torch.float32, "cpu", comfy.ops.manual_cast)
+    state = {k: v.to(dtype) for k, v in random_state(model, seed).items()}
+    state.update(umt5_tokenizer_data())
+    save_file(state, str(path))
+    return path
