@@ -164,6 +164,32 @@ def test_video_and_image_vaes_are_one_program_per_shape(pack, vaes, kind, shape,
     assert {k: v.stats.programs for k, v in parts(on_tpu).items()} == {"decoder.forward": 1, "encoder.forward": 1}
 
 
+def test_a_vae_without_encoder_and_decoder_parts_runs_its_own_decode_and_encode(pack, vaes):
+    """TAESD (ComfyUI's previewer VAE) has no encoder/decoder modules: its decode and encode are bridged whole."""
+    vae = vaes("taesd")
+    on_tpu = tpu_vae(pack, vae)
+    z = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(13))
+    assert relative(decode(on_tpu, z), decode(vae, z)) < TOL
+    pixels = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(14))
+    assert relative(encode(on_tpu, pixels), encode(vae, pixels)) < TOL
+    assert {k: v.stats.programs for k, v in parts(on_tpu).items()} == {"decode": 1, "encode": 1}
+
+
+def test_a_bfloat16_vae_decodes_in_bfloat16(pack):
+    """A VAE ComfyUI loaded in bfloat16 (``--bf16-vae``) computes in bfloat16 on the devices: as far from the
+    float32 decode as ComfyUI's own bfloat16 decode is."""
+    from tpu_runtime.bridge.tiny import tiny_vae
+
+    vae32, vae16 = tiny_vae("wan2.1", seed=20), tiny_vae("wan2.1", seed=20, dtype=torch.bfloat16)
+    on_tpu = tpu_vae(pack, vae16)
+    z = latents(vae32, 3, seed=21)
+    reference, native = decode(vae32, z), decode(vae16, z)
+    out = decode(on_tpu, z)
+    assert str(parts(on_tpu)["decoder.forward"].state["conv1.weight"].dtype) == "bfloat16"
+    assert relative(out, reference) < 2 * relative(native, reference) < 0.2
+    assert (out - reference).abs().mean() < 2 * (native - reference).abs().mean()
+
+
 def test_vae_attention_is_the_runtimes(pack, vaes):
     """ComfyUI chose the image VAE's mid-block attention when it built it (on the CPU: split attention, which asks
     torch for free device memory): while traced it is the runtime's, and ComfyUI's choice is put back."""

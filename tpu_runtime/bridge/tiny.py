@@ -92,7 +92,7 @@ LTXV_TINY_VAE = {
     "use_quant_conv": False, "causal_decoder": False, "timestep_conditioning": True,
 }
 
-VAE_KINDS = ("wan2.1", "wan2.2", "hunyuan_video", "ltxv", "image")
+VAE_KINDS = ("wan2.1", "wan2.2", "hunyuan_video", "ltxv", "image", "taesd")
 
 
 def tiny_vae(kind: str, seed: int = 0, dtype=torch.float32, width: int = 8):
@@ -126,6 +126,11 @@ def tiny_vae(kind: str, seed: int = 0, dtype=torch.float32, width: int = 8):
         if kind == "hunyuan_video":
             config.update(conv3d=True, time_compress=4)
         build = lambda cls: cls(ddconfig=config, embed_dim=config["z_channels"])  # noqa: E731
+    elif kind == "taesd":  # ComfyUI's previewer VAE: its size is the real one, read from the state dict
+        import comfy.taesd.taesd as module
+
+        reduce = contextlib.nullcontext(None)
+        build = lambda cls: module.TAESD(latent_channels=4)  # noqa: E731
     elif kind == "ltxv":
         import comfy.ldm.lightricks.vae.causal_video_autoencoder as module
 
