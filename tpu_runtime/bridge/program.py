@@ -117,7 +117,7 @@ class BridgedModule:
     label: str = ""
     device_dtypes: Callable[[str, torch.Tensor], torch.dtype] | None = None
     settle: CacheSettling | None = None
-    input_spec: Callable[[tuple[int, ...]], tuple] | None = None
+    input_spec: Callable[[tuple[int, ...], dict], tuple] | None = None  # (shape, mesh sizes) -> PartitionSpec
     trace_context: Callable[[], ContextManager] | None = None
     recorded_args: tuple[str, ...] = ()
     skip_weights: frozenset = frozenset()
@@ -311,9 +311,10 @@ class BridgedModule:
                 for leaf in call.leaves]
 
     def _spec(self, shape: tuple[int, ...], mesh=None) -> tuple:
+        mesh = mesh or self.mesh
         if self.input_spec is not None:
-            return tuple(self.input_spec(tuple(shape)))
-        dp = (mesh or self.mesh).shape["dp"]
+            return tuple(self.input_spec(tuple(shape), dict(mesh.shape)))
+        dp = mesh.shape["dp"]
         if dp > 1 and len(shape) >= 1 and shape[0] % dp == 0:
             return ("dp",)
         return ()

@@ -157,26 +157,22 @@ def _part_forward(vae, key: str, module: torch.nn.Module, method, settings: Brid
         bridged = BridgedModule(
             module=module, method=method, rules=VAE_RULES, mesh_spec=settings.mesh, attention=settings.attention,
             options_arg=None, mutable_lists=caches, settle=CausalFrameCache(later) if caches else None,
-            trace_context=lambda: comfy_attention_on_runtime(module), label=label,
+            input_spec=frame_spec, trace_context=lambda: comfy_attention_on_runtime(module), label=label,
             memory_hint="Split the frames over more devices (a larger slice, mesh auto), or decode in tiles "
                         "(VAE Decode (Tiled)): the tiles run on the devices too.",
         )
-        bridged.input_spec = _frame_spec_lazy(bridged)
         prefix = key.removesuffix("forward") if key.endswith(".forward") else ""
         return VAEPartForward(bridged, first_stage_model, prefix=prefix)
 
     return held_forward(first_stage_model, key, settings, build)
 
 
-def _frame_spec_lazy(bridged: BridgedModule):
-    """``input_spec`` for a bridged VAE part: the width split over its mesh (made when the mesh is)."""
-
-    def spec(shape: tuple[int, ...]) -> tuple:
-        if len(shape) < 4:
-            return ()
-        return frame_split_spec(dict(bridged.mesh.shape), shape)
-
-    return spec
+def frame_spec(shape: tuple[int, ...], mesh_sizes: dict) -> tuple:
+    """``input_spec`` of a bridged VAE part: a frame (``[..., H, W]``, 4 or more dimensions) split along its width
+    over the mesh axes that divide it, then its height; anything else whole on every device."""
+    if len(shape) < 4:
+        return ()
+    return frame_split_spec(mesh_sizes, shape)
 
 
 # --- what the host holds ------------------------------------------------------------------------------------------
