@@ -77,6 +77,7 @@ class _Variant:
     key: tuple
     executable: Any
     list_layouts: list = field(default_factory=list)
+    number: int = 0  # the module's programs in order (a slice's workers know them by it)
 
 
 _serials = itertools.count()
@@ -134,6 +135,7 @@ class BridgedModule:
         self._mesh = None
         self._warned_variants: set = set()
         self._serial = next(_serials)  # program keys name this module, never another one that reused its id
+        self._driver = None  # on a multi-host slice's first process: the workers' side of this module
 
     # --- devices --------------------------------------------------------------------------------------------
     @property
@@ -177,22 +179,44 @@ class BridgedModule:
                 tensor = tensor.to(dtype)
         return tensor
 
+    def _slice(self):
+        """On the first process of a multi-host slice, the workers' side of this module (else None)."""
+        slice_ = getattr(self.runtime, "slice", None)
+        if slice_ is None or not slice_.is_driver:
+            return None
+        if self._driver is None:
+            from ..multihost.bridge import DriverBridge
+
+            self._driver = DriverBridge(slice_, self.runtime, self.label)
+        return self._driver
+
+    def _place_named(self, state: dict, named, specs: dict) -> int:
+        """Place ``named`` tensors into ``state`` (every process of a slice its own shards); tensors tied under
+        several names are placed once (once per name on a slice, where the workers know names only)."""
+        driver = self._slice()
+        if driver is not None:
+            from ..engine.dtypes import host_array
+
+            driver.place(self.mesh, state, [(n, host_array(self._host_value(n, t)), specs[n]) for n, t in named])
+            return len(named)
+        moved: dict[int, Any] = {}
+        for name, tensor in named:
+            if id(tensor) not in moved:
+                moved[id(tensor)] = self.runtime.put(self._host_value(name, tensor),
+                                                     self.runtime.sharding(self.mesh, specs[name]))
+            state[name] = moved[id(tensor)]
+        return len(moved)
+
     def place(self) -> dict:
         """The weights on the devices (placed on first use, then kept)."""
         with self._lock:
             if self.state is None:
                 start = time.perf_counter()
                 named = self._named()
-                specs = self._specs(named)
-                moved: dict[int, Any] = {}
-                state = {}
-                for name, tensor in named:
-                    if id(tensor) not in moved:
-                        moved[id(tensor)] = self.runtime.put(self._host_value(name, tensor),
-                                                             self.runtime.sharding(self.mesh, specs[name]))
-                    state[name] = moved[id(tensor)]
+                state: dict = {}
+                moved = self._place_named(state, named, self._specs(named))
                 self.state = state
-                log.info("%s: %d weights placed on %d device(s) in %.1f s", self.label, len(moved),
+                log.info("%s: %d weights placed on %d device(s) in %.1f s", self.label, moved,
                          self.mesh.size, time.perf_counter() - start)
             return self.state
 
@@ -205,10 +229,8 @@ class BridgedModule:
             names = [n for n in names if n in named and n in self.state]
             if not names:
                 return 0
-            specs = self._specs([(n, named[n]) for n in names])
-            for name in names:
-                self.state[name] = self.runtime.put(self._host_value(name, named[name]),
-                                                    self.runtime.sharding(self.mesh, specs[name]))
+            chosen = [(n, named[n]) for n in names]
+            self._place_named(self.state, chosen, self._specs(chosen))
             self.stats.weight_refreshes += 1
             return len(names)
 
@@ -217,6 +239,8 @@ class BridgedModule:
         with self._lock:
             if self.state is not None:
                 log.info("%s: device weights released", self.label)
+                if self._slice() is not None:
+                    self._driver.release()
             self.state = None
 
     @property
@@ -270,6 +294,10 @@ class BridgedModule:
                 compiled = time.perf_counter() - before
         self.stats.calls += 1
         start = time.perf_counter()
+        if self._slice() is not None:
+            result = self._run_on_slice(variant, call, state)
+            self.stats.call_seconds += time.perf_counter() - entered - compiled
+            return result
         inputs = self._inputs(call)
         placed = time.perf_counter()
         import jax
@@ -290,6 +318,17 @@ class BridgedModule:
         self.stats.to_host_seconds += time.perf_counter() - ran
         self.stats.call_seconds += time.perf_counter() - entered - compiled
         return result
+
+    def _run_on_slice(self, variant: _Variant, call, state):
+        """A call on a multi-host slice: its inputs sent to every process, the program run on all of them."""
+        from ..engine.dtypes import host_array
+
+        if any(isinstance(leaf, DeviceValue) for leaf in call.leaves):
+            raise InputError(f"{self.label}: values kept on the devices between calls (a VAE's cache) are not "
+                             "replayed on a multi-host slice yet: use TPU VAE on a single host")
+        inputs = [host_array(leaf) for leaf in call.leaves]
+        return self._driver.run(self.mesh, state, variant.executable, variant.number, inputs,
+                                [self._spec(tuple(leaf.shape)) for leaf in call.leaves])
 
     def _memory_error(self, call, error) -> InputError:
         return InputError(f"{self.label} ran out of device memory for {_describe(call)} on mesh "
@@ -423,17 +462,36 @@ class BridgedModule:
             plan.append(row)
         return plan if changes else None
 
+    def _compile_for_slice(self, program, state: dict, call, number: int):
+        """The program traced here once, serialized (``jax.export``) and sent to the workers; every process runs the
+        same serialized module."""
+        from ..multihost.bridge import export_program
+
+        if self.mutable_lists:
+            raise InputError(f"{self.label}: a module that keeps values on the devices between calls (a VAE's "
+                             "cache) is not replayed on a multi-host slice yet: use TPU VAE on a single host")
+        names = list(state)
+        weights = dict(zip(names, _structs(state[n] for n in names)))
+        example = self._abstract_inputs(call)
+        log.info("preparing %s for %s on the slice (once per shape)", self.label, _describe(call))
+        blob, executable = export_program(program, (weights, example))
+        self._driver.add_program(number, blob)
+        return executable
+
     def _compile(self, base: tuple, call, options, recorded, state, positional, keyword) -> _Variant:
         runtime = self.runtime
         plan = self._settle_plan(call, options, recorded, state, positional, keyword) if (
             self.settle is not None and self.mutable_lists) else None
         program, reads, layouts = self.program_function(call, options, self.mesh, recorded, plan)
-        example = self._inputs(call)
         key = ("bridge", self.label, self._serial, base, len(self._variants.get(base, ())))
         start = time.perf_counter()
+        number = self.program_count
         try:
-            executable = runtime.compiled(key, program, state, example,
-                                          describe=f"{self.label} for {_describe(call)}")
+            if self._slice() is not None:
+                executable = self._compile_for_slice(program, state, call, number)
+            else:
+                executable = runtime.compiled(key, program, state, self._inputs(call),
+                                              describe=f"{self.label} for {_describe(call)}")
         except UntraceableModel:
             raise
         except Exception as error:  # noqa: BLE001 - any failure inside the model's code while traced
@@ -443,7 +501,7 @@ class BridgedModule:
         self.stats.trace_compile_seconds += time.perf_counter() - start
         self.stats.programs += 1
         reads.finish(_read_context(options, recorded))
-        variant = _Variant(reads, key, executable, [list(layout) for layout in layouts])
+        variant = _Variant(reads, key, executable, [list(layout) for layout in layouts], number)
         variants = self._variants.setdefault(base, [])
         variants.append(variant)
         if len(variants) > VARIANT_WARNING and base not in self._warned_variants:
@@ -451,6 +509,12 @@ class BridgedModule:
             log.warning("%s: %d programs for one input shape: the model reads options that change between calls "
                         "(%s); each new value compiles again", self.label, len(variants), reads.describe())
         return variant
+
+
+def _structs(values) -> list:
+    import jax
+
+    return [jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for v in values]
 
 
 def _read_context(options, recorded: dict) -> dict:
