@@ -1,7 +1,9 @@
 """The native bridge's nodes: ComfyUI's own models, loaded by ComfyUI's own loaders, run on the runtime.
 
 TPU Diffusion Model sits between a diffusion model loader (Load Diffusion Model, Load Checkpoint, a LoRA loader)
-and the sampler (KSampler, KSamplerAdvanced, SamplerCustom); everything else in the graph stays ComfyUI's.
+and the sampler (KSampler, KSamplerAdvanced, SamplerCustom); TPU VAE between Load VAE and every node that decodes
+or encodes with it; TPU Text Encoder between Load CLIP and CLIP Text Encode. Everything else in the graph stays
+ComfyUI's.
 """
 
 from __future__ import annotations
@@ -69,5 +71,94 @@ def _method(clone) -> str:
     return "_forward" if "diffusion_model._forward" in clone.object_patches else "forward"
 
 
-NODE_CLASS_MAPPINGS = {"TPUDiffusionModel": TPUDiffusionModel}
-NODE_DISPLAY_NAME_MAPPINGS = {"TPUDiffusionModel": "TPU Diffusion Model"}
+VAE_INPUTS = {
+    "mesh": ("STRING", {"default": "auto", "tooltip": "dp=N,sp=N,tp=N over all devices; auto: every device. The "
+             "frames are split over the devices along their width (then height), the VAE's weights are whole on "
+             "each"}),
+    "attention": DEVICE_INPUTS["attention"],
+    "cache_dir": DEVICE_INPUTS["cache_dir"],
+}
+
+TEXT_INPUTS = {
+    "mesh": ("STRING", {"default": "auto", "tooltip": "dp=N,sp=N,tp=N over all devices; auto: attention heads on "
+             "tp (as many devices as divide them), the rest on sp. The text encoder's weights are split over tp"}),
+    "attention": DEVICE_INPUTS["attention"],
+    "cache_dir": DEVICE_INPUTS["cache_dir"],
+}
+
+
+def _bridge_settings(mesh: str, attention: str):
+    from tpu_runtime.bridge.comfy import BridgeSettings
+    from tpu_runtime.engine.attention import AttentionConfig
+    from tpu_runtime.engine.sharding import parse_mesh
+
+    return BridgeSettings(mesh=parse_mesh(mesh), attention=AttentionConfig(impl=attention))
+
+
+def _check_meshes(bridged_modules, devices: int) -> None:
+    """A bad mesh fails when the node runs, before any decode or encode."""
+    for bridged in bridged_modules:
+        spec = bridged.mesh_spec or bridged.rules.auto_mesh(bridged.module, devices)
+        bridged.rules.check_mesh(bridged.module, spec, devices)
+
+
+class TPUVAE:
+    """ComfyUI's own VAE (any VAE Load VAE loads) run on the TPU runtime."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("VAE",)
+    RETURN_NAMES = ("vae",)
+    FUNCTION = "apply"
+    DESCRIPTION = ("Runs ComfyUI's own VAE on the TPU (or any JAX device): put it between Load VAE and the nodes that "
+                   "decode or encode (VAE Decode, VAE Encode, the tiled ones, Wan Image to Video, ...). A causal "
+                   "video VAE (Wan) decodes chunk by chunk with its caches on the devices: two compiled programs "
+                   "whatever the frame count; other VAEs one per latent shape. Frames are split over the devices.")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"vae": ("VAE", {"tooltip": "from Load VAE or a checkpoint loader"})},
+                "optional": dict(VAE_INPUTS)}
+
+    def apply(self, vae, mesh: str = "auto", attention: str = "auto", cache_dir: str = ""):
+        from tpu_runtime.bridge.vae import bridged_parts, vae_on_runtime
+        from tpu_runtime.engine.runtime import get_runtime
+
+        settings = _bridge_settings(mesh, attention)
+        runtime = get_runtime(cache_dir=cache_dir.strip() or None)
+        on_runtime = vae_on_runtime(vae, settings)
+        _check_meshes(bridged_parts(on_runtime).values(), len(runtime.devices))
+        return (on_runtime,)
+
+
+class TPUTextEncoder:
+    """ComfyUI's own text encoder (any CLIP Load CLIP loads) run on the TPU runtime."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("CLIP",)
+    RETURN_NAMES = ("clip",)
+    FUNCTION = "apply"
+    DESCRIPTION = ("Runs ComfyUI's own text encoder (umT5-XXL, T5-XXL, LLaMA, CLIP...) on the TPU (or any JAX device): "
+                   "put it between Load CLIP and CLIP Text Encode (or any node that encodes with the CLIP). "
+                   "Tokenizers, prompt weights and schedules stay ComfyUI's; the weights are split over the devices; "
+                   "one compiled program per padded prompt length.")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"clip": ("CLIP", {"tooltip": "from Load CLIP, Dual CLIP Loader or a checkpoint "
+                                               "loader"})},
+                "optional": dict(TEXT_INPUTS)}
+
+    def apply(self, clip, mesh: str = "auto", attention: str = "auto", cache_dir: str = ""):
+        from tpu_runtime.bridge.text import bridged_text_models, text_encoder_on_runtime
+        from tpu_runtime.engine.runtime import get_runtime
+
+        settings = _bridge_settings(mesh, attention)
+        runtime = get_runtime(cache_dir=cache_dir.strip() or None)
+        on_runtime = text_encoder_on_runtime(clip, settings)
+        _check_meshes(bridged_text_models(on_runtime).values(), len(runtime.devices))
+        return (on_runtime,)
+
+
+NODE_CLASS_MAPPINGS = {"TPUDiffusionModel": TPUDiffusionModel, "TPUVAE": TPUVAE, "TPUTextEncoder": TPUTextEncoder}
+NODE_DISPLAY_NAME_MAPPINGS = {"TPUDiffusionModel": "TPU Diffusion Model", "TPUVAE": "TPU VAE",
+                              "TPUTextEncoder": "TPU Text Encoder"}

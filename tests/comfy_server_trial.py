@@ -75,6 +75,25 @@ def ui_to_api(workflow: dict, object_info: dict, overrides: dict[str, dict]) -> 
     return prompt
 
 
+def start_server(comfy: Path, python: str, port: int, env: dict, log_path: Path) -> subprocess.Popen:
+    """``main.py --cpu`` of the ComfyUI checkout ``comfy`` on 127.0.0.1:``port``, its output in ``log_path``."""
+    log = open(log_path, "w")
+    return subprocess.Popen([python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port)],
+                            cwd=comfy, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_until_up(port: int, server: subprocess.Popen, log_path: Path, timeout: float = 180) -> None:
+    """Until the server answers (or has exited, or ``timeout`` seconds have passed: then raise with its log)."""
+    end = time.time() + timeout
+    while time.time() < end and server.poll() is None:
+        try:
+            http(port, "/system_stats")
+            return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"server did not start; its log ends:\n{log_path.read_text()[-3000:]}")
+
+
 def wait_for(port: int, prompt_id: str, timeout: float) -> dict:
     end = time.time() + timeout
     while time.time() < end:
@@ -373,18 +392,9 @@ def main() -> int:
         worker = subprocess.Popen([args.python, "-m", "tpu_runtime", "worker", "--process-id", "1"], cwd=ROOT,
                                   env=dict(env, TPU_VIDEO_PROCESS_ID="1"), stdout=worker_log,
                                   stderr=subprocess.STDOUT)
-    log = open(comfy / "trial_server.log", "w")
-    server = subprocess.Popen([args.python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port)],
-                              cwd=comfy, env=env, stdout=log, stderr=subprocess.STDOUT)
+    server = start_server(comfy, args.python, port, env, comfy / "trial_server.log")
     try:
-        for _ in range(180):
-            try:
-                http(port, "/system_stats")
-                break
-            except OSError:
-                time.sleep(1)
-        else:
-            raise RuntimeError("server did not start; see trial_server.log")
+        wait_until_up(port, server, comfy / "trial_server.log")
         print("server started")
         text = (comfy / "trial_server.log").read_text()
         ours = [line for line in text.splitlines() if "tpu-video-nodes" in line]

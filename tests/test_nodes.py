@@ -36,6 +36,9 @@ EXPECTED = {
     "TPULTX2Upsample": ("LATENT",),
     "TPULTX2Decode": ("IMAGE", "AUDIO"),
 }
+# The native bridge's nodes: ComfyUI's own models on the runtime, ComfyUI's own types in and out.
+BRIDGE = {"TPUDiffusionModel": ("MODEL",), "TPUVAE": ("VAE",), "TPUTextEncoder": ("CLIP",)}
+EXPECTED.update(BRIDGE)
 CATEGORIES = {"Wan": "TPU video/Wan", "CogVideoX": "TPU video/CogVideoX", "LTX2": "TPU video/LTX-2"}
 
 
@@ -55,6 +58,10 @@ def test_pack_registers_nodes(pack):
     assert set(pack.NODE_DISPLAY_NAME_MAPPINGS) == set(EXPECTED)
     for key, cls in pack.NODE_CLASS_MAPPINGS.items():
         assert cls.RETURN_TYPES == EXPECTED[key]
+        if key in BRIDGE:
+            assert cls.CATEGORY == "TPU video" and pack.NODE_DISPLAY_NAME_MAPPINGS[key].startswith("TPU ")
+            assert set(cls.INPUT_TYPES()["required"]) == {BRIDGE[key][0].lower()}  # model, vae, clip
+            continue
         assert cls.CATEGORY == next(c for name, c in CATEGORIES.items() if key.startswith(f"TPU{name}"))
         assert callable(getattr(cls, cls.FUNCTION))
         inputs = cls.INPUT_TYPES()

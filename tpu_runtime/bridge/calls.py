@@ -10,6 +10,10 @@ turns such a call into
   the same structure run the same program; anything else compiles another one (a Python number is a constant of
   the program, one program per value, as ``jax.jit`` treats static arguments).
 
+``RecordedSequence`` does for a list argument what ``RecordedOptions`` does for the options: ComfyUI passes its text
+models the prompt's token count as a Python list (``num_tokens``) that most of them never read; the list keys a
+program only when the model read it while traced.
+
 ``RecordedOptions`` stands in for ComfyUI's ``transformer_options`` while a program is traced. The options carry
 values that change at every call (the current sigma, the conds' uuids) beside values a model reads (patches, block
 replacements): a program depends only on what the model read during its trace, so those reads are recorded, with
@@ -20,6 +24,7 @@ the same.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,6 +148,43 @@ class OptionReads:
 
     def describe(self) -> str:
         return "every option" if self.everything else ", ".join(sorted(map(str, self.reads))) or "none"
+
+
+class RecordedSequence(Sequence):
+    """A list argument as the model sees it while traced: any read of it (length, item, iteration, comparison) is
+    recorded in ``log`` under ``name`` with a fingerprint of the whole list. Not a ``list`` subclass on purpose: C
+    code reads a list's items without calling its methods, which would read it unrecorded."""
+
+    def __init__(self, name: str, values: list, log: "OptionReads"):
+        self._name, self._values, self._log = name, list(values), log
+
+    def _note(self) -> list:
+        if self._name not in self._log.reads:
+            self._log.reads[self._name] = fingerprint(self._values, self._log.keep)
+        return self._values
+
+    def __getitem__(self, index):
+        return self._note()[index]
+
+    def __len__(self) -> int:
+        return len(self._note())
+
+    def __iter__(self):
+        return iter(self._note())
+
+    def __contains__(self, value) -> bool:
+        return value in self._note()
+
+    def __reversed__(self):
+        return reversed(self._note())
+
+    def __eq__(self, other) -> bool:
+        return self._note() == (list(other) if isinstance(other, RecordedSequence) else other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return repr(self._note())
 
 
 class RecordedOptions(dict):

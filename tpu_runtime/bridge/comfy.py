@@ -1,4 +1,5 @@
-"""ComfyUI's own diffusion models on the runtime: the ModelPatcher side of the native bridge.
+"""ComfyUI's own models on the runtime: the ModelPatcher side of the native bridge (diffusion models here; VAEs in
+``vae.py`` and text encoders in ``text.py`` use the same forward, registry and attention).
 
 ``diffusion_model_on_runtime(patcher, settings)`` returns a clone of ComfyUI's ModelPatcher whose diffusion model
 runs its forward as compiled programs (``BridgedModule``); everything around the forward stays ComfyUI's: samplers,
@@ -24,10 +25,13 @@ Nothing here is imported unless ComfyUI runs (or a test imports ComfyUI).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -85,6 +89,88 @@ def _with_attention(options: dict) -> dict:
     return options
 
 
+def runtime_attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,
+                      **kwargs):
+    """ComfyUI's attention functions' own signature (``attention_basic``, ``attention_pytorch``...), on the
+    runtime's attention."""
+    kwargs.pop("transformer_options", None)
+    kwargs.pop("_inside_attn_wrapper", None)
+    return comfy_attention(None, q, k, v, heads, mask=mask, skip_reshape=skip_reshape,
+                           skip_output_reshape=skip_output_reshape)
+
+
+def runtime_vae_attention(q, k, v):
+    """ComfyUI's VAE attention (``vae_attention()``: split, pytorch or xformers): one head over the positions of
+    ``[B, C, *positions]`` tensors, on the runtime's attention."""
+    shape = q.shape
+    batch, channels = shape[0], shape[1]
+    q, k, v = (t.reshape(batch, 1, channels, -1).transpose(2, 3) for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    return out.transpose(2, 3).reshape(shape)
+
+
+def _runtime_attention_for_device(*args, **kwargs):
+    return runtime_attention
+
+
+def _vae_attention_factory():
+    return runtime_vae_attention
+
+
+def _comfy_attention_replacements() -> dict[int, Callable]:
+    """id of each of ComfyUI's attention functions -> what stands in for it while a program is traced. ComfyUI
+    picks them when a model is built (a VAE's ``optimized_attention`` attribute) or when it runs
+    (``optimized_attention_for_device`` in the text encoders); its CPU choices ask torch for free device memory,
+    which a traced program has not."""
+    import comfy.ldm.modules.attention as attention
+    import comfy.ldm.modules.diffusionmodules.model as vae_model
+
+    out: dict[int, Callable] = {}
+    for name, value in vars(attention).items():
+        if callable(value) and (name.startswith("attention_") or name.startswith("optimized_attention")):
+            out[id(value)] = runtime_attention
+    out[id(attention.optimized_attention_for_device)] = _runtime_attention_for_device
+    for name in ("normal_attention", "pytorch_attention", "xformers_attention"):
+        if hasattr(vae_model, name):
+            out[id(getattr(vae_model, name))] = runtime_vae_attention
+    out[id(vae_model.vae_attention)] = _vae_attention_factory
+    return out
+
+
+@contextlib.contextmanager
+def comfy_attention_on_runtime(module: torch.nn.Module):
+    """While tracing ``module``'s code: every ComfyUI attention function it holds (a submodule's attribute) or its
+    code's Python modules name (a module-level import) is the runtime's; everything is put back afterwards. Only
+    a trace runs inside this block (the model is not running natively at the same time: ComfyUI runs one prompt at
+    a time)."""
+    replace = _comfy_attention_replacements()
+    swapped: list[tuple[object, str, object]] = []
+    modules = set()
+    try:
+        for sub in module.modules():
+            for cls in type(sub).__mro__:
+                modules.add(cls.__module__)
+            for name, value in list(vars(sub).items()):
+                if callable(value) and id(value) in replace:
+                    swapped.append((sub, name, value))
+                    object.__setattr__(sub, name, replace[id(value)])
+        for name in sorted(modules):
+            namespace = sys.modules.get(name)
+            if namespace is None or name.startswith(("torch", "builtins")):
+                continue
+            for attr, value in list(vars(namespace).items()):
+                if callable(value) and id(value) in replace and replace[id(value)] is not value:
+                    swapped.append((namespace, attr, value))
+                    setattr(namespace, attr, replace[id(value)])
+        yield
+    finally:
+        for owner, name, value in reversed(swapped):
+            if isinstance(owner, torch.nn.Module):
+                object.__setattr__(owner, name, value)
+            else:
+                setattr(owner, name, value)
+
+
 # --- the forward --------------------------------------------------------------------------------------------------
 class BridgedForward:
     """What the object patch puts in place of the diffusion model's ``_forward`` (or ``forward``): checks for
@@ -93,7 +179,7 @@ class BridgedForward:
     def __init__(self, bridged: BridgedModule, base_model, prefix: str = "diffusion_model."):
         self.bridged = bridged
         self._base = weakref.ref(base_model)
-        self.prefix = prefix
+        self.prefix = prefix  # the bridged module's name in the patcher's model (ComfyUI's patch keys)
         self._synced = _NOT_SYNCED
         self._patched: set[str] = set()
         self._lock = threading.Lock()
@@ -105,14 +191,14 @@ class BridgedForward:
             return
         if getattr(base, "model_lowvram", False):
             raise InputError(
-                f"ComfyUI loaded {type(base.diffusion_model).__name__} only partly into memory (low-memory mode): "
+                f"ComfyUI loaded {self.bridged.label} only partly into memory (low-memory mode): "
                 f"the TPU node needs the whole model on the host. Start ComfyUI with --cpu (and --highvram), or "
                 f"free host memory")
         identity = getattr(base, "current_weight_patches_uuid", None)
         with self._lock:
             if identity == self._synced and self.bridged.state is not None:
                 return
-            patcher = getattr(base, "current_patcher", None)
+            patcher = getattr(base, "current_patcher", None) or _loaded_patcher(base)
             keys = set(getattr(patcher, "patches", {}) or {}) if identity is not None else set()
             keys = {k for k in keys if k.startswith(self.prefix)}
             names = {k[len(self.prefix):] for k in keys | self._patched}
@@ -136,19 +222,46 @@ class BridgedForward:
 
 
 _NOT_SYNCED = object()
-_forwards: dict[int, tuple[BridgeSettings, BridgedForward]] = {}
+
+
+def _loaded_patcher(model):
+    """The ModelPatcher ComfyUI has loaded ``model`` with (VAEs and text encoders do not record it on the model)."""
+    import comfy.model_management
+
+    for loaded in list(comfy.model_management.current_loaded_models):
+        patcher = loaded.model
+        if patcher is not None and patcher.model is model:
+            return patcher
+    return None
+
+
+# One bridged forward (one device copy of the weights) per loaded model and part: (id(model), part) -> (settings,
+# forward). The diffusion model's part is "diffusion_model"; a VAE's are its encoder and decoder, a text encoder's
+# each text model it holds.
+_forwards: dict[tuple[int, str], tuple[object, BridgedForward]] = {}
 _forwards_lock = threading.Lock()
 
 
-def _forward_for(base_model, settings: BridgeSettings) -> BridgedForward:
-    """One bridged forward (one device copy) per loaded model; new settings replace the old copy."""
-    key = id(base_model)
+def held_forward(owner, part: str, settings, build: Callable[[], BridgedForward]) -> BridgedForward:
+    """The bridged forward of ``owner``'s ``part`` for ``settings``, built once; new settings replace (and release)
+    the old device copy. It is released when ComfyUI drops ``owner``."""
+    key = (id(owner), part)
     with _forwards_lock:
         held = _forwards.get(key)
         if held is not None and held[0] == settings:
             return held[1]
         if held is not None:
             held[1].release()
+        forward = build()
+        _forwards[key] = (settings, forward)
+        weakref.finalize(owner, _forget, key, forward)
+        return forward
+
+
+def _forward_for(base_model, settings: BridgeSettings) -> BridgedForward:
+    """One bridged forward (one device copy) per loaded model; new settings replace the old copy."""
+
+    def build() -> BridgedForward:
         module = base_model.diffusion_model
         method_name = "_forward" if callable(getattr(type(module), "_forward", None)) else "forward"
         bridged = BridgedModule(
@@ -157,13 +270,12 @@ def _forward_for(base_model, settings: BridgeSettings) -> BridgedForward:
             label=type(module).__name__,
         )
         bridged.method_name = method_name
-        forward = BridgedForward(bridged, base_model)
-        _forwards[key] = (settings, forward)
-        weakref.finalize(base_model, _forget, key, forward)
-        return forward
+        return BridgedForward(bridged, base_model)
+
+    return held_forward(base_model, "diffusion_model", settings, build)
 
 
-def _forget(key: int, forward: BridgedForward) -> None:
+def _forget(key: tuple, forward: BridgedForward) -> None:
     with _forwards_lock:
         held = _forwards.get(key)
         if held is not None and held[1] is forward:
@@ -172,7 +284,8 @@ def _forget(key: int, forward: BridgedForward) -> None:
 
 
 def release_all() -> None:
-    """Drop every bridged model's device weights (ComfyUI's "unload models" and ``/free``)."""
+    """Drop every bridged model's device weights (ComfyUI's "unload models" and ``/free``): diffusion models, VAEs
+    and text encoders."""
     with _forwards_lock:
         held = [f for _, f in _forwards.values()]
     for forward in held:

@@ -11,25 +11,33 @@ torch modules, and torchax traces their own code into a JAX program. It knows no
 - **Programs**: a call is split (``calls.split_call``) into tensors and a structure; one program per structure,
   mesh and attention setting, and per set of option values the model read while traced (``calls.OptionReads``).
 - **Mutable arguments**: with ``mutable_lists``, lists passed in are returned by the program too and written back
-  in place, their tensors as ``DeviceValue``s that stay on the devices (a causal VAE's convolution cache).
+  in place, their tensors as ``DeviceValue``s that stay on the devices (a causal VAE's convolution cache), placed
+  as ``input_spec`` says so that the next call takes them as they are. A cache list changes its structure over
+  the first calls (ComfyUI's Wan VAE: empty, then markers and one-frame caches, then steady two-frame caches): a
+  ``CacheSettling`` policy lets the first call's program return the caches already in their steady form (found by
+  tracing the next call abstractly), so that the second call runs the same program as every later one.
+- **Recorded arguments**: ``recorded_args`` name list arguments (a text model's ``num_tokens``) that key a program
+  only when the model reads them (``calls.RecordedSequence``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import itertools
 import logging
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 
 from ..engine.attention import AttentionConfig, attention_scope
 from ..engine.sharding import MeshSpec
 from ..errors import InputError
-from .calls import DeviceValue, OptionReads, RecordedOptions, rebuild, split_call
+from .calls import DeviceValue, OptionReads, RecordedOptions, RecordedSequence, rebuild, split_call
 from .rules import ArchRules, placement_specs
 
 log = logging.getLogger(__name__)
@@ -42,12 +50,37 @@ class UntraceableModel(InputError):
     """The model's code cannot be compiled: the message names the class, the op and the line."""
 
 
+class CacheSettling:
+    """How the lists a bridged method mutates (a causal cache) reach their steady form: ``probe`` gives the
+    arguments of the call after the first one (the lists themselves are filled in by the caller), ``settle`` turns
+    one value the first call left in a list into the value of the steady form (inside the traced program), or
+    returns ``None`` when it cannot (the value is then left as it is, and the second call compiles a program of
+    its own)."""
+
+    def probe(self, positional: list, keyword: dict) -> tuple[list, dict]:
+        return positional, keyword
+
+    def carried(self, before: list, after: list) -> list:
+        """What a list holds when the next call starts: what the first call left in a list it put arrays in (the
+        caches), the list as it was passed otherwise (an index the caller starts again from 0)."""
+        return after if any(_is_struct(v) for v in after) else before
+
+    def settle(self, value: Any, steady: Any) -> Any:
+        """``value``: what the first call left (a traced tensor or a Python value); ``steady``: what the next call
+        leaves there (a ``jax.ShapeDtypeStruct`` for an array, else the Python value)."""
+        return None
+
+
 @dataclass
 class _Variant:
     reads: OptionReads
     key: tuple
     executable: Any
     list_layouts: list = field(default_factory=list)
+    number: int = 0  # the module's programs in order (a slice's workers know them by it)
+
+
+_serials = itertools.count()
 
 
 @dataclass
@@ -84,6 +117,12 @@ class BridgedModule:
     mutable_lists: bool = False
     label: str = ""
     device_dtypes: Callable[[str, torch.Tensor], torch.dtype] | None = None
+    settle: CacheSettling | None = None
+    input_spec: Callable[[tuple[int, ...], dict], tuple] | None = None  # (shape, mesh sizes) -> PartitionSpec
+    trace_context: Callable[[], ContextManager] | None = None
+    recorded_args: tuple[str, ...] = ()
+    skip_weights: frozenset = frozenset()
+    memory_hint: str = ""
 
     def __post_init__(self):
         self.signature = inspect.signature(self.method)
@@ -95,6 +134,8 @@ class BridgedModule:
         self._runtime = None
         self._mesh = None
         self._warned_variants: set = set()
+        self._serial = next(_serials)  # program keys name this module, never another one that reused its id
+        self._driver = None  # on a multi-host slice's first process: the workers' side of this module
 
     # --- devices --------------------------------------------------------------------------------------------
     @property
@@ -116,7 +157,16 @@ class BridgedModule:
 
     def _named(self) -> list[tuple[str, torch.Tensor]]:
         named = list(self.module.named_parameters(remove_duplicate=False))
-        return named + list(self.module.named_buffers(remove_duplicate=False))
+        named += list(self.module.named_buffers(remove_duplicate=False))
+        return [(n, t) for n, t in named if n not in self.skip_weights]
+
+    def include_weights(self, names) -> None:
+        """Place weights left out so far (``skip_weights``) as well, from the next call on."""
+        names = set(names) & set(self.skip_weights)
+        if names:
+            with self._lock:
+                self.skip_weights = frozenset(set(self.skip_weights) - names)
+                self.state = None
 
     def _specs(self, named) -> dict[str, tuple]:
         return placement_specs({n: tuple(t.shape) for n, t in named}, self.rules, dict(self.mesh.shape), self.label)
@@ -129,22 +179,44 @@ class BridgedModule:
                 tensor = tensor.to(dtype)
         return tensor
 
+    def _slice(self):
+        """On the first process of a multi-host slice, the workers' side of this module (else None)."""
+        slice_ = getattr(self.runtime, "slice", None)
+        if slice_ is None or not slice_.is_driver:
+            return None
+        if self._driver is None:
+            from ..multihost.bridge import DriverBridge
+
+            self._driver = DriverBridge(slice_, self.runtime, self.label)
+        return self._driver
+
+    def _place_named(self, state: dict, named, specs: dict) -> int:
+        """Place ``named`` tensors into ``state`` (every process of a slice its own shards); tensors tied under
+        several names are placed once (once per name on a slice, where the workers know names only)."""
+        driver = self._slice()
+        if driver is not None:
+            from ..engine.dtypes import host_array
+
+            driver.place(self.mesh, state, [(n, host_array(self._host_value(n, t)), specs[n]) for n, t in named])
+            return len(named)
+        moved: dict[int, Any] = {}
+        for name, tensor in named:
+            if id(tensor) not in moved:
+                moved[id(tensor)] = self.runtime.put(self._host_value(name, tensor),
+                                                     self.runtime.sharding(self.mesh, specs[name]))
+            state[name] = moved[id(tensor)]
+        return len(moved)
+
     def place(self) -> dict:
         """The weights on the devices (placed on first use, then kept)."""
         with self._lock:
             if self.state is None:
                 start = time.perf_counter()
                 named = self._named()
-                specs = self._specs(named)
-                moved: dict[int, Any] = {}
-                state = {}
-                for name, tensor in named:
-                    if id(tensor) not in moved:
-                        moved[id(tensor)] = self.runtime.put(self._host_value(name, tensor),
-                                                             self.runtime.sharding(self.mesh, specs[name]))
-                    state[name] = moved[id(tensor)]
+                state: dict = {}
+                moved = self._place_named(state, named, self._specs(named))
                 self.state = state
-                log.info("%s: %d weights placed on %d device(s) in %.1f s", self.label, len(moved),
+                log.info("%s: %d weights placed on %d device(s) in %.1f s", self.label, moved,
                          self.mesh.size, time.perf_counter() - start)
             return self.state
 
@@ -157,10 +229,8 @@ class BridgedModule:
             names = [n for n in names if n in named and n in self.state]
             if not names:
                 return 0
-            specs = self._specs([(n, named[n]) for n in names])
-            for name in names:
-                self.state[name] = self.runtime.put(self._host_value(name, named[name]),
-                                                    self.runtime.sharding(self.mesh, specs[name]))
+            chosen = [(n, named[n]) for n in names]
+            self._place_named(self.state, chosen, self._specs(chosen))
             self.stats.weight_refreshes += 1
             return len(names)
 
@@ -169,6 +239,8 @@ class BridgedModule:
         with self._lock:
             if self.state is not None:
                 log.info("%s: device weights released", self.label)
+                if self._slice() is not None:
+                    self._driver.release()
             self.state = None
 
     @property
@@ -180,11 +252,16 @@ class BridgedModule:
         """(positional, keyword, options) of a call, the module itself not included."""
         bound = self.signature.bind(self.module, *args, **kwargs)
         positional, keyword = [], {}
+        # Before a *args parameter, named parameters must be passed by position too (LLaMA's forward(input_ids,
+        # *args, **kwargs)): a keyword there would collide with the positional rest.
+        by_position = (inspect.Parameter.POSITIONAL_ONLY,) + (
+            (inspect.Parameter.POSITIONAL_OR_KEYWORD,) if any(
+                p.kind is inspect.Parameter.VAR_POSITIONAL for p in self.signature.parameters.values()) else ())
         for i, (name, value) in enumerate(bound.arguments.items()):
             if i == 0:
                 continue  # the module
             kind = self.signature.parameters[name].kind
-            if kind is inspect.Parameter.POSITIONAL_ONLY:
+            if kind in by_position:
                 positional.append(value)
             elif kind is inspect.Parameter.VAR_POSITIONAL:
                 positional.extend(value)
@@ -200,27 +277,38 @@ class BridgedModule:
         positional, keyword, options = self._arguments(args, kwargs)
         if options is not None and self.prepare_options is not None:
             options = self.prepare_options(dict(options))
+        recorded = {name: keyword.pop(name) for name in self.recorded_args if isinstance(keyword.get(name), list)}
         call = split_call((positional, keyword))
         runtime = self.runtime
         mesh = self.mesh
         state = self.place()
-        base = (call.structure, tuple(mesh.shape.items()), self.attention)
+        base = (call.structure, tuple(sorted(recorded)), tuple(mesh.shape.items()), self.attention,
+                tuple(sorted(state)))
+        context = _read_context(options, recorded)
         with self._lock:
-            variant = next((v for v in self._variants.get(base, ()) if options is None or v.reads.matches(options)),
-                           None)
+            variant = next((v for v in self._variants.get(base, ()) if v.reads.matches(context)), None)
             compiled = 0.0
             if variant is None:
                 before = time.perf_counter()
-                variant = self._compile(base, call, options, state)
+                variant = self._compile(base, call, options, recorded, state, positional, keyword)
                 compiled = time.perf_counter() - before
         self.stats.calls += 1
         start = time.perf_counter()
+        if self._slice() is not None:
+            result = self._run_on_slice(variant, call, state)
+            self.stats.call_seconds += time.perf_counter() - entered - compiled
+            return result
         inputs = self._inputs(call)
         placed = time.perf_counter()
-        out, arrays = variant.executable(state, inputs)
         import jax
 
-        jax.block_until_ready((out, arrays))
+        try:
+            out, arrays = variant.executable(state, inputs)
+            jax.block_until_ready((out, arrays))
+        except Exception as error:  # noqa: BLE001 - the devices' own errors, named for the user where we can
+            if _out_of_memory(error):
+                raise self._memory_error(call, error) from error
+            raise
         ran = time.perf_counter()
         result = runtime.to_cpu(out)
         if self.mutable_lists:
@@ -231,72 +319,189 @@ class BridgedModule:
         self.stats.call_seconds += time.perf_counter() - entered - compiled
         return result
 
+    def _run_on_slice(self, variant: _Variant, call, state):
+        """A call on a multi-host slice: its inputs sent to every process, the program run on all of them."""
+        from ..engine.dtypes import host_array
+
+        if any(isinstance(leaf, DeviceValue) for leaf in call.leaves):
+            raise InputError(f"{self.label}: values kept on the devices between calls (a VAE's cache) are not "
+                             "replayed on a multi-host slice yet: use TPU VAE on a single host")
+        inputs = [host_array(leaf) for leaf in call.leaves]
+        return self._driver.run(self.mesh, state, variant.executable, variant.number, inputs,
+                                [self._spec(tuple(leaf.shape)) for leaf in call.leaves])
+
+    def _memory_error(self, call, error) -> InputError:
+        return InputError(f"{self.label} ran out of device memory for {_describe(call)} on mesh "
+                          f"{dict(self.mesh.shape)}: {str(error).strip().splitlines()[0][:300]}. "
+                          f"{self.memory_hint or 'Use more devices (a larger slice) or smaller inputs.'}")
+
     def _inputs(self, call) -> list:
         return [leaf.array if isinstance(leaf, DeviceValue) else self.runtime.put(leaf, self._input_sharding(leaf))
                 for leaf in call.leaves]
 
-    def _input_sharding(self, leaf: torch.Tensor):
-        """Inputs replicated, except a leading batch that dp divides (CFG's cond and uncond) split over dp."""
-        dp = self.mesh.shape["dp"]
-        if dp > 1 and leaf.ndim >= 1 and leaf.shape[0] % dp == 0:
-            return self.runtime.sharding(self.mesh, ("dp",))
-        return self.runtime.sharding(self.mesh)
+    def _abstract_inputs(self, call) -> list:
+        """The call's inputs as shapes (to trace without data): host tensors may be on ``meta``."""
+        import jax
+
+        from ..engine.dtypes import jax_dtype
+
+        return [leaf.array if isinstance(leaf, DeviceValue) else
+                jax.ShapeDtypeStruct(tuple(leaf.shape), jax_dtype(leaf.dtype), sharding=self._input_sharding(leaf))
+                for leaf in call.leaves]
+
+    def _spec(self, shape: tuple[int, ...], mesh=None) -> tuple:
+        mesh = mesh or self.mesh
+        if self.input_spec is not None:
+            return tuple(self.input_spec(tuple(shape), dict(mesh.shape)))
+        dp = mesh.shape["dp"]
+        if dp > 1 and len(shape) >= 1 and shape[0] % dp == 0:
+            return ("dp",)
+        return ()
+
+    def _input_sharding(self, leaf):
+        """Inputs replicated, except a leading batch that dp divides (CFG's cond and uncond) split over dp; or as
+        ``input_spec`` places them."""
+        return self.runtime.sharding(self.mesh, self._spec(tuple(leaf.shape)))
 
     # --- compiling ------------------------------------------------------------------------------------------
-    def program_function(self, call, options, mesh) -> tuple[Callable, OptionReads, list]:
+    def program_function(self, call, options, mesh, recorded: dict | None = None,
+                         plan: list | None = None) -> tuple[Callable, OptionReads, list]:
         """The function the runtime compiles for ``call`` on ``mesh``: ``fn(weights, leaves) -> (output, the
-        arrays left in the call's lists)``; the options the model reads while it is traced are recorded in the
-        returned ``OptionReads``, and the lists' layout in the returned list (filled by the trace)."""
+        arrays left in the call's lists)``; the options (and ``recorded`` arguments) the model reads while it is
+        traced are recorded in the returned ``OptionReads``, and the lists' layout in the returned list (filled by
+        the trace). ``plan``: per mutated list, per item, the steady value a settled item becomes (``None``: left
+        as it is; see ``CacheSettling``)."""
         env = self.runtime.env
         reads = OptionReads()
-        recorded = RecordedOptions(options, reads) if options is not None else None
+        options_view = RecordedOptions(options, reads) if options is not None else None
+        recorded_view = {name: RecordedSequence(("argument", name), value, reads)
+                         for name, value in (recorded or {}).items()}
         holder = _Holder(self.module)
         method, options_arg, attention = self.method, self.options_arg, self.attention
-        mutable = self.mutable_lists
+        mutable, settle, trace_context = self.mutable_lists, self.settle, self.trace_context
         layouts: list = []
+
+        def keep_placed(array):  # a list's array leaves placed as the next call takes it
+            import jax
+
+            return jax.lax.with_sharding_constraint(array, self.runtime.sharding(mesh, self._spec(array.shape, mesh)))
 
         def program(weights, leaves):
             weights, leaves = env.j2t_iso((weights, leaves))
             positional, keyword = rebuild(call.structure, leaves, call.objects)
-            if recorded is not None:
-                keyword[options_arg] = recorded
+            if options_view is not None:
+                keyword[options_arg] = options_view
+            keyword.update(recorded_view)
             params = {f"inner.{k}": v for k, v in weights.items()}
-            with env, attention_scope(attention, mesh):
-                out = torch.func.functional_call(holder, params, ((method, positional, keyword),), strict=False,
-                                                 tie_weights=False)
             arrays: list = []
             layouts.clear()
-            for values in _lists_of(positional, keyword) if mutable else ():
-                layout = []
-                for value in values:
-                    if isinstance(value, torch.Tensor):
-                        layout.append(("array", len(arrays)))
-                        arrays.append(value)
-                    else:
-                        layout.append(("value", value))
-                layouts.append(layout)
-            return env.t2j_iso(out), env.t2j_iso(arrays)
+            with env, attention_scope(attention, mesh), (trace_context() if trace_context else
+                                                         contextlib.nullcontext()):
+                out = torch.func.functional_call(holder, params, ((method, positional, keyword),), strict=False,
+                                                 tie_weights=False)
+                for i, values in enumerate(_lists_of(positional, keyword) if mutable else ()):
+                    layout = []
+                    for j, value in enumerate(values):
+                        steady = plan[i][j] if plan is not None else None
+                        if steady is not None:
+                            settled = settle.settle(value, steady)
+                            value = value if settled is None else settled
+                        if isinstance(value, torch.Tensor):
+                            layout.append(("array", len(arrays)))
+                            arrays.append(value)
+                        else:
+                            layout.append(("value", value))
+                    layouts.append(layout)
+            return env.t2j_iso(out), [keep_placed(a) for a in env.t2j_iso(arrays)]
 
         return program, reads, layouts
 
-    def _compile(self, base: tuple, call, options, state) -> _Variant:
-        runtime = self.runtime
-        program, reads, layouts = self.program_function(call, options, self.mesh)
-        example = self._inputs(call)
-        key = ("bridge", self.label, id(self), base, len(self._variants.get(base, ())))
-        start = time.perf_counter()
+    def _abstract_layouts(self, call, options, recorded, state) -> list:
+        """Trace ``call`` without compiling or running it: each mutated list's final items, arrays as shapes."""
+        import jax
+
+        from ..engine.runtime import tracing
+
+        program, _, layouts = self.program_function(call, options, self.mesh, recorded)
+        with tracing():
+            _, arrays = jax.eval_shape(program, state, self._abstract_inputs(call))
+        return [[arrays[ref] if kind == "array" else ref for kind, ref in layout] for layout in layouts]
+
+    def _settle_plan(self, call, options, recorded, state, positional, keyword) -> list | None:
+        """For a first call (its lists hold no arrays yet), what each list item settles to: the items the next
+        call leaves, found by tracing the first call and then the next one (``settle.probe``) without data."""
+        lists = _lists_of(positional, keyword)
+        if not lists or any(isinstance(v, (torch.Tensor, DeviceValue)) for values in lists for v in values):
+            return None
         try:
-            executable = runtime.compiled(key, program, state, example,
-                                          describe=f"{self.label} for {_describe(call)}")
+            first = self._abstract_layouts(call, options, recorded, state)
+            probe_positional, probe_keyword = self.settle.probe(list(positional), dict(keyword))
+            filled = iter(first)
+
+            def fill(value):
+                if not isinstance(value, list):
+                    return value
+                return [DeviceValue(v) if _is_struct(v) else v for v in self.settle.carried(list(value), next(filled))]
+
+            probe = split_call(([fill(v) for v in probe_positional], {k: fill(v) for k, v in probe_keyword.items()}))
+            steady = self._abstract_layouts(probe, options, recorded, state)
+        except Exception as error:  # noqa: BLE001 - a probe that does not fit only costs the second call a program
+            log.info("%s: the caches' steady form could not be found ahead (%s: %s); the second call compiles a "
+                     "program of its own", self.label, type(error).__name__, error)
+            return None
+        plan, changes = [], 0
+        for before, after in zip(first, steady):
+            row = []
+            for i, value in enumerate(before):
+                target = after[i] if i < len(after) else None
+                same = (_is_struct(value) and _is_struct(target) and value.shape == target.shape
+                        and value.dtype == target.dtype) or (not _is_struct(value) and not _is_struct(target)
+                                                             and value == target)
+                row.append(None if same or target is None else target)
+                changes += not same and target is not None
+            plan.append(row)
+        return plan if changes else None
+
+    def _compile_for_slice(self, program, state: dict, call, number: int):
+        """The program traced here once, serialized (``jax.export``) and sent to the workers; every process runs the
+        same serialized module."""
+        from ..multihost.bridge import export_program
+
+        if self.mutable_lists:
+            raise InputError(f"{self.label}: a module that keeps values on the devices between calls (a VAE's "
+                             "cache) is not replayed on a multi-host slice yet: use TPU VAE on a single host")
+        names = list(state)
+        weights = dict(zip(names, _structs(state[n] for n in names)))
+        example = self._abstract_inputs(call)
+        log.info("preparing %s for %s on the slice (once per shape)", self.label, _describe(call))
+        blob, executable = export_program(program, (weights, example))
+        self._driver.add_program(number, blob)
+        return executable
+
+    def _compile(self, base: tuple, call, options, recorded, state, positional, keyword) -> _Variant:
+        runtime = self.runtime
+        plan = self._settle_plan(call, options, recorded, state, positional, keyword) if (
+            self.settle is not None and self.mutable_lists) else None
+        program, reads, layouts = self.program_function(call, options, self.mesh, recorded, plan)
+        key = ("bridge", self.label, self._serial, base, len(self._variants.get(base, ())))
+        start = time.perf_counter()
+        number = self.program_count
+        try:
+            if self._slice() is not None:
+                executable = self._compile_for_slice(program, state, call, number)
+            else:
+                executable = runtime.compiled(key, program, state, self._inputs(call),
+                                              describe=f"{self.label} for {_describe(call)}")
         except UntraceableModel:
             raise
         except Exception as error:  # noqa: BLE001 - any failure inside the model's code while traced
+            if _out_of_memory(error):
+                raise self._memory_error(call, error) from error
             raise explain_trace_failure(self.label, error) from error
         self.stats.trace_compile_seconds += time.perf_counter() - start
         self.stats.programs += 1
-        if options is not None:
-            reads.finish(options)
-        variant = _Variant(reads, key, executable, [list(layout) for layout in layouts])
+        reads.finish(_read_context(options, recorded))
+        variant = _Variant(reads, key, executable, [list(layout) for layout in layouts], number)
         variants = self._variants.setdefault(base, [])
         variants.append(variant)
         if len(variants) > VARIANT_WARNING and base not in self._warned_variants:
@@ -304,6 +509,31 @@ class BridgedModule:
             log.warning("%s: %d programs for one input shape: the model reads options that change between calls "
                         "(%s); each new value compiles again", self.label, len(variants), reads.describe())
         return variant
+
+
+def _structs(values) -> list:
+    import jax
+
+    return [jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for v in values]
+
+
+def _read_context(options, recorded: dict) -> dict:
+    """What a compiled program may have read besides its inputs: the options, and the recorded arguments under
+    ("argument", name)."""
+    context = dict(options) if options is not None else {}
+    context.update({("argument", name): value for name, value in recorded.items()})
+    return context
+
+
+def _is_struct(value) -> bool:
+    import jax
+
+    return isinstance(value, jax.ShapeDtypeStruct)
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    text = f"{type(error).__name__}: {error}"
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
 def _lists_of(positional, keyword) -> list[list]:

@@ -38,16 +38,18 @@ class ArchRules:
     weights: tuple[tuple[str, tuple], ...] = ()
     heads: tuple[str, ...] = ("num_heads", "heads", "num_attention_heads", "n_heads")
     generic: bool = False
+    heads_in_submodules: bool = False  # the head count is an attribute of the attention layers (text encoders)
 
     def matches(self, module: torch.nn.Module) -> bool:
         names = {cls.__name__ for cls in type(module).__mro__}
         return any(name in names for name in self.classes)
 
     def head_count(self, module: torch.nn.Module) -> int | None:
-        for attr in self.heads:
-            value = getattr(module, attr, None)
-            if isinstance(value, int) and value > 0:
-                return value
+        for sub in module.modules() if self.heads_in_submodules else (module,):
+            for attr in self.heads:
+                value = getattr(sub, attr, None)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
         return None
 
     def auto_mesh(self, module: torch.nn.Module, devices: int) -> MeshSpec:
@@ -132,6 +134,58 @@ LTXV = ArchRules(
 KNOWN: tuple[ArchRules, ...] = (WAN, HUNYUAN_VIDEO, LTXV)
 GENERIC = ArchRules(name="generic", generic=True)
 
+# Text encoders, in the names of ComfyUI's text models (the ``transformer`` of an SDClipModel). Heads are read from
+# the attention layers. The input embedding stays on the host while ComfyUI passes embeddings (``bridge/text.py``).
+# comfy/text_encoders/t5.py (umT5-XXL, T5-XXL): encoder.block.N.layer.0.SelfAttention (q, k, v, o),
+# layer.1.DenseReluDense (wi or gated wi_0 / wi_1, wo).
+T5 = ArchRules(
+    name="T5",
+    classes=("T5",),
+    weights=(
+        *_attention(r"encoder\.block\.\d+\.layer\.0\.SelfAttention", "q|k|v", "o"),
+        *_mlp(r"encoder\.block\.\d+\.layer\.1\.DenseReluDense", "(wi|wi_0|wi_1)", "wo"),
+    ),
+    heads=("num_heads",),
+    heads_in_submodules=True,
+)
+
+# comfy/text_encoders/llama.py (LLaMA 3 of HunyuanVideo, Qwen 2.5, Gemma 2/3): model.layers.N.self_attn (q_proj,
+# k_proj, v_proj with GQA's fewer k/v heads, o_proj), mlp (gate_proj, up_proj, down_proj).
+LLAMA = ArchRules(
+    name="LLaMA",
+    classes=("BaseLlama", "Llama2_"),
+    weights=(
+        *_attention(r"model\.layers\.\d+\.self_attn", "q_proj|k_proj|v_proj", "o_proj"),
+        *_mlp(r"model\.layers\.\d+\.mlp", "(gate_proj|up_proj)", "down_proj"),
+    ),
+    heads=("num_heads",),
+    heads_in_submodules=True,
+)
+
+# comfy/clip_model.py (CLIP-L/G text): text_model.encoder.layers.N.self_attn (q_proj, k_proj, v_proj, out_proj),
+# mlp (fc1, fc2).
+CLIP_TEXT = ArchRules(
+    name="CLIP text",
+    classes=("CLIPTextModel", "CLIPTextModel_"),
+    weights=(
+        *_attention(r"text_model\.encoder\.layers\.\d+\.self_attn", "q_proj|k_proj|v_proj", "out_proj"),
+        *_mlp(r"text_model\.encoder\.layers\.\d+\.mlp", "fc1", "fc2"),
+    ),
+    heads=("heads",),
+    heads_in_submodules=True,
+)
+
+TEXT_KNOWN: tuple[ArchRules, ...] = (T5, LLAMA, CLIP_TEXT)
+TEXT_GENERIC = ArchRules(name="generic", generic=True, heads_in_submodules=True)
+
+
+def text_rules_for(module: torch.nn.Module) -> ArchRules:
+    """The rule table for a text model, or the generic placement (heads read from its attention layers)."""
+    for rules in TEXT_KNOWN:
+        if rules.matches(module):
+            return rules
+    return TEXT_GENERIC
+
 
 def rules_for(module: torch.nn.Module) -> ArchRules:
     """The rule table for ``module``'s architecture, or ``GENERIC`` (logged once per class)."""
@@ -196,7 +250,7 @@ def known_rule_names() -> list[str]:
 
 
 def _check_patterns() -> None:
-    for rules in KNOWN:
+    for rules in KNOWN + TEXT_KNOWN:
         for pattern, _ in rules.weights:
             re.compile(pattern)
 

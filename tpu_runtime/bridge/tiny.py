@@ -4,6 +4,7 @@ real model's speed. ComfyUI's code must be importable (``architectures.use_comfy
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -51,3 +52,212 @@ def tiny_wan(kind: str = "t2v", dim: int = 128, layers: int = 2, in_dim: int = 1
     if kind == "vace":
         return wan.VaceWanModel(vace_layers=extra.get("vace_layers", 1), vace_in_dim=96, **common)
     return wan.WanModel(model_type=kind, **common, **extra)
+
+
+# --- VAEs: ComfyUI's VAE object, made by its own loader --------------------------------------------------------------
+@contextlib.contextmanager
+def _reduced(namespace, name: str, **overrides):
+    """While the block runs, ``namespace.name`` (a model class ComfyUI builds at a fixed size) builds at a reduced
+    size: its keyword arguments (or its ``ddconfig``'s entries) replaced by ``overrides``."""
+    original = getattr(namespace, name)
+
+    class Reduced(original):
+        def __init__(self, *args, **kwargs):
+            if "ddconfig" in kwargs:
+                kwargs["ddconfig"] = {**kwargs["ddconfig"], **overrides}
+            else:
+                kwargs.update(overrides)
+            super().__init__(*args, **kwargs)
+
+    Reduced.__name__ = Reduced.__qualname__ = original.__name__
+    setattr(namespace, name, Reduced)
+    try:
+        yield Reduced
+    finally:
+        setattr(namespace, name, original)
+
+
+# LTX-Video's VAE (comfy/ldm/lightricks/vae/causal_video_autoencoder.py) as ComfyUI reads it from a file's metadata:
+# 32x spatial and 8x temporal compression like the released ones, one layer a block and no channel growth.
+LTXV_TINY_VAE = {
+    "dims": 3, "in_channels": 3, "out_channels": 3, "latent_channels": 128,
+    "encoder_blocks": [["res_x", {"num_layers": 1}], ["compress_all_res", {"multiplier": 1}],
+                       ["compress_all_res", {"multiplier": 1}], ["compress_all_res", {"multiplier": 1}]],
+    "decoder_blocks": [["res_x", {"num_layers": 1, "inject_noise": False}],
+                       ["compress_all", {"residual": True, "multiplier": 1}],
+                       ["compress_all", {"residual": True, "multiplier": 1}],
+                       ["compress_all", {"residual": True, "multiplier": 1}],
+                       ["res_x", {"num_layers": 1, "inject_noise": False}]],
+    "scaling_factor": 1.0, "norm_layer": "pixel_norm", "patch_size": 4, "latent_log_var": "uniform",
+    "use_quant_conv": False, "causal_decoder": False, "timestep_conditioning": True,
+}
+
+VAE_KINDS = ("wan2.1", "wan2.2", "hunyuan_video", "ltxv", "image", "taesd")
+
+
+def tiny_vae(kind: str, seed: int = 0, dtype=torch.float32, width: int = 8):
+    """ComfyUI's VAE object for architecture ``kind`` (``VAE_KINDS``) with random weights, made by ComfyUI's own
+    loader (``comfy.sd.VAE`` on a state dict, which recognises the architecture from its keys). Classes ComfyUI
+    builds at a fixed size are built at ``width`` base channels (32 for the group-normalised ones); LTX-Video's
+    comes from a file's metadata like ComfyUI reads it."""
+    import json
+
+    import comfy.sd
+
+    metadata = None
+    if kind == "wan2.1":
+        import comfy.ldm.wan.vae as module
+
+        reduce = _reduced(module, "WanVAE", dim=width)
+        build = lambda cls: cls(dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],  # noqa: E731
+                                temperal_downsample=[False, True, True])
+    elif kind == "wan2.2":
+        import comfy.ldm.wan.vae2_2 as module
+
+        reduce = _reduced(module, "WanVAE", dim=width, dec_dim=2 * width)
+        build = lambda cls: cls(dim=160, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],  # noqa: E731
+                                temperal_downsample=[False, True, True])
+    elif kind in ("hunyuan_video", "image"):
+        ch = max(32, width)
+        reduce = _reduced(comfy.sd, "AutoencoderKL", ch=ch)
+        config = {"double_z": True, "z_channels": 16 if kind == "hunyuan_video" else 4, "resolution": 256,
+                  "in_channels": 3, "out_ch": 3, "ch": 128, "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+                  "attn_resolutions": [], "dropout": 0.0}
+        if kind == "hunyuan_video":
+            config.update(conv3d=True, time_compress=4)
+        build = lambda cls: cls(ddconfig=config, embed_dim=config["z_channels"])  # noqa: E731
+    elif kind == "taesd":  # ComfyUI's previewer VAE: its size is the real one, read from the state dict
+        import comfy.taesd.taesd as module
+
+        reduce = contextlib.nullcontext(None)
+        build = lambda cls: module.TAESD(latent_channels=4)  # noqa: E731
+    elif kind == "ltxv":
+        import comfy.ldm.lightricks.vae.causal_video_autoencoder as module
+
+        metadata = {"config": json.dumps({"vae": LTXV_TINY_VAE})}
+        reduce = contextlib.nullcontext(None)
+        build = lambda cls: module.VideoVAE(config=LTXV_TINY_VAE)  # noqa: E731
+    else:
+        raise ValueError(f"unknown VAE kind {kind!r}: one of {VAE_KINDS}")
+    with reduce as cls:
+        state = random_state(build(cls), seed)
+        return comfy.sd.VAE(sd=state, dtype=dtype, metadata=metadata)
+
+
+def save_wan_vae(path: Path, seed: int, dtype=torch.bfloat16) -> Path:
+    """A Wan 2.1 VAE file at the size ComfyUI's loader builds it (its width is fixed: 127M weights), random."""
+    import comfy.ldm.wan.vae as module
+    from safetensors.torch import save_file
+
+    vae = module.WanVAE(dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                        temperal_downsample=[False, True, True])
+    save_file({k: v.to(dtype) for k, v in random_state(vae, seed).items()}, str(path))
+    return path
+
+
+# --- text encoders: ComfyUI's CLIP object, made as its loader makes it -----------------------------------------------
+# kind -> (the text model's name in ComfyUI's model options, a reduced configuration of its fixed one). Widths are
+# tiny; the vocabularies stay those of the tokenizers ComfyUI ships (umT5's comes with the weights: a small one).
+TEXT_CONFIGS = {
+    "umt5": ("umt5xxl", {"d_model": 64, "num_heads": 4, "d_kv": 16, "d_ff": 128, "vocab_size": 96}),
+    "t5xxl": ("t5xxl", {"d_model": 64, "num_heads": 4, "d_kv": 16, "d_ff": 128}),
+    "qwen25_3b": ("qwen25_3b", {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                                "num_key_value_heads": 2}),
+    "clip_l": ("clip_l", {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                          "projection_dim": 64}),
+}
+TEXT_KINDS = tuple(TEXT_CONFIGS)
+
+
+def umt5_tokenizer_data() -> dict:
+    """umT5's tokenizer as ComfyUI reads it from a text encoder file: a SentencePiece model (a tiny real one)."""
+    import tempfile
+
+    from ..engine.tiny import train_spiece
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "spiece.model"
+        train_spiece(path)
+        data = path.read_bytes()
+    return {"spiece_model": torch.frombuffer(bytearray(data), dtype=torch.uint8)}
+
+
+def tiny_text_encoder(kind: str, seed: int = 0, dtype=torch.float32, layers: int = 2, fp8: bool = False, **config):
+    """ComfyUI's CLIP object for text encoder ``kind`` (``TEXT_KINDS``: umT5 as Wan loads it, T5-XXL as LTX-Video
+    does, Qwen 2.5 (ComfyUI's LLaMA-style model), CLIP-L) with random weights, made as ComfyUI's
+    ``load_text_encoder_state_dicts`` makes it (``comfy.sd.CLIP`` on the clip type's classes, then ``load_sd``), at
+    a reduced configuration passed the way ComfyUI takes one (``<name>_model_config`` in the model options).
+    ``fp8``: as ComfyUI holds a scaled fp8 file (``*_fp8_e4m3fn_scaled``): every linear weight float8_e4m3fn with a
+    per-layer scale, cast inside ComfyUI's ops."""
+    import comfy.sd
+
+    name, reduced = TEXT_CONFIGS[kind]
+    reduced = {**reduced, **config}
+    reduced["num_layers" if kind in ("umt5", "t5xxl") else "num_hidden_layers"] = layers
+
+    class Target:
+        params: dict = {}
+
+    target = Target()
+    tokenizer_data = {}
+    if kind == "umt5":
+        import comfy.text_encoders.wan as wan
+
+        target.clip, target.tokenizer = wan.te(), wan.WanT5Tokenizer
+        tokenizer_data = umt5_tokenizer_data()
+    elif kind == "t5xxl":
+        import comfy.text_encoders.lt as lt
+
+        target.clip, target.tokenizer = lt.ltxv_te(), lt.LTXVT5Tokenizer
+    elif kind == "qwen25_3b":
+        import comfy.text_encoders.omnigen2 as omnigen2
+
+        target.clip, target.tokenizer = omnigen2.te(), omnigen2.Omnigen2Tokenizer
+    elif kind == "clip_l":
+        import comfy.sd1_clip as sd1_clip
+
+        target.clip, target.tokenizer = sd1_clip.SD1ClipModel, sd1_clip.SD1Tokenizer
+    else:
+        raise ValueError(f"unknown text encoder kind {kind!r}: one of {TEXT_KINDS}")
+    options = {"dtype": dtype, f"{name}_model_config": reduced}
+    if fp8:
+        options["scaled_fp8"] = torch.float8_e4m3fn
+    clip = comfy.sd.CLIP(target, tokenizer_data=tokenizer_data, model_options=options)
+    text_model = getattr(clip.cond_stage_model, getattr(clip.cond_stage_model, "clip", name))
+    state = random_state(text_model.transformer, seed)
+    for key in [k for k in state if k.endswith(".scale_weight")]:
+        weight = key[: -len("scale_weight")] + "weight"
+        scale = state[weight].abs().max() / 448.0
+        state[weight], state[key] = state[weight] / scale, scale.reshape(())
+    missing, _ = clip.load_sd(state)
+    if missing:
+        raise RuntimeError(f"tiny {kind} text encoder: weights missing after loading: {missing[:5]}")
+    return clip
+
+
+# umT5 as ComfyUI's Load CLIP (type wan) recognises a file: 24 blocks whose feed-forward reads 4096 features (what its
+# detection looks at), everything else reduced. ComfyUI builds umT5 from its fixed configuration file
+# (comfy/text_encoders/umt5_config_xxl.json): a ComfyUI copy that loads this file needs ``umt5_config(...)`` there.
+UMT5_FILE_CONFIG = {"d_ff": 16, "d_kv": 8, "num_heads": 2, "vocab_size": 96}
+
+
+def umt5_config(comfy_dir: str | Path, **overrides) -> dict:
+    """ComfyUI's umT5-XXL configuration (from the checkout ``comfy_dir``) with ``overrides``."""
+    import json
+
+    path = Path(comfy_dir) / "comfy" / "text_encoders" / "umt5_config_xxl.json"
+    return {**json.loads(path.read_text()), **overrides}
+
+
+def save_umt5(path: Path, config: dict, seed: int, dtype=torch.float16) -> Path:
+    """A umT5 text encoder file in ComfyUI's layout (``umt5_xxl_fp16.safetensors``: the T5 encoder's names, the
+    tokenizer's SentencePiece model inside as ``spiece_model``) for ``config``, with random weights."""
+    import comfy.ops
+    import comfy.text_encoders.t5 as t5
+    from safetensors.torch import save_file
+
+    model = t5.T5(config, torch.float32, "cpu", comfy.ops.manual_cast)
+    state = {k: v.to(dtype) for k, v in random_state(model, seed).items()}
+    state.update(umt5_tokenizer_data())
+    save_file(state, str(path))
+    return path

@@ -97,7 +97,9 @@ def serve(runtime, slice_: Slice) -> int:
                 return 1
         if go == "run":
             try:
-                log.info("call %d: %s", n, message.get("method") or f"open {message['cls']}")
+                what = (f"{message['cls']} {message['method']}" if message["op"] == "bridge"
+                        else message.get("method") or f"open {message['cls']}")
+                log.info("call %d: %s", n, what)
                 slice_.running(n)
                 result = prepared()
                 if message["op"] == "open":

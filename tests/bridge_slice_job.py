@@ -1,0 +1,40 @@
+"""The first process of a two-process slice running ComfyUI's own sampling through TPU Diffusion Model (the workers
+run `python -m tpu_runtime worker` and never import ComfyUI); it also samples natively, and prints one JSON line.
+
+usage: python bridge_slice_job.py MODEL_FILE MESH [MESH ...]
+"""
+
+import json
+import sys
+
+import torch
+from comfy_native import comfyui_session, load, load_pack, relative, sample
+
+
+def main():
+    path, meshes = sys.argv[1], sys.argv[2:]
+    with comfyui_session():
+        pack = load_pack()
+        from tpu_runtime.engine.runtime import get_runtime
+
+        runtime = get_runtime()
+        g = torch.Generator().manual_seed(1)
+        positive = [[torch.randn(1, 12, 4096, generator=g), {}]]
+        negative = [[torch.randn(1, 12, 4096, generator=g), {}]]
+        latent = torch.zeros(1, 16, 3, 8, 8)
+        model = load(path)
+        native = sample(model, latent, positive, negative, cfg=4.0)
+        report = {"processes": runtime.slice.processes if runtime.slice else 1, "devices": len(runtime.devices),
+                  "meshes": {}}
+        for mesh in meshes:
+            on_tpu = pack.NODE_CLASS_MAPPINGS["TPUDiffusionModel"]().apply(model, mesh=mesh)[0]
+            out = sample(on_tpu, latent, positive, negative, cfg=4.0)
+            again = sample(on_tpu, latent, positive, negative, cfg=4.0, seed=7)  # a new seed: nothing compiles
+            bridged = next(v for k, v in on_tpu.object_patches.items() if k.startswith("diffusion_model.")).bridged
+            report["meshes"][mesh] = {"relative": relative(out, native), "calls": bridged.stats.calls,
+                                      "programs": bridged.stats.programs, "finite": bool(again.isfinite().all())}
+    print("REPORT " + json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
