@@ -335,7 +335,7 @@ def _decode(req: GenerateRequest, family, out: Path, latents, fps: int, config: 
         (out / sf.AUDIO_FILE).unlink(missing_ok=True)  # an earlier run's sound is not this video's
     sf.save_frames(out, frames_tensor, audio=waveform)
     write_mp4(frames_tensor, out / sf.VIDEO_FILE, fps=fps, audio=audio)
-    config.update({s.dest: options.get(s.name, s.default) for s in family.SPEC.settings_of("decode")})
+    config.update({s.dest: options.get(s.name, s.default) for s in family.SPEC.settings_of("decode") if s.cli})
 
 
 def _timings(family, stats_before, wall_start: float) -> dict:

@@ -27,7 +27,7 @@ SETTINGS = (
     Setting("frame_rate", float, "frames per second the video is made for: the sound's length and the positions "
             "(and the mp4's rate unless --fps)", default=24.0, above=0.0, node_max=120.0, node_step=1.0),
     Setting("sigmas", str, "the sigma schedule: the model's (default), the distilled model's 8 steps, the refine "
-            "stage's 3", choices=SIGMA_SCHEDULES, node_unset="default", default_help="default"),
+            "stage's 3", choices=SIGMA_SCHEDULES, node_unset="default"),
     Setting("stg_blocks", tuple, "the transformer blocks spatio-temporal guidance perturbs", default=(28,),
             cli=False, node=None),
     Setting("noise_scale", float, "sampling from given latents: how much fresh noise they get", minimum=0.0,

@@ -9,8 +9,6 @@ import copy
 import numpy as np
 import torch
 
-SIGMA_SCHEDULES = ("default", "distilled", "stage2")
-
 
 def sigma_values(schedule: str | None, steps: int) -> list[float] | np.ndarray:
     """The sigmas diffusers' pipelines hand to the scheduler: ``linspace(1, 1/N, N)`` by default, or one of the
