@@ -98,9 +98,10 @@ KNOBS = {"guidance": 1.5, "audio_guidance": 2.0, "stg_scale": 0.5, "modality_sca
 
 def test_each_knob_moves_the_output_as_it_moves_diffusers(models, embeddings, tiny_ltx2):
     """Every guidance knob, and the frame rate (the positions), changes the video and the sound latents exactly as
-    it changes diffusers'; a new scale with the same passes compiles nothing."""
+    it changes diffusers' (to 2e-5: they agree to about 4e-6); a new scale with the same passes compiles nothing."""
     family, emb = models["2.3"], embeddings["2.3"]
     base = family.sample(emb, _settings())
+    tol = 2e-5
     for name, value in KNOBS.items():
         s = _settings(**{name: value})
         before = compile_stats()
@@ -108,18 +109,18 @@ def test_each_knob_moves_the_output_as_it_moves_diffusers(models, embeddings, ti
         if family.guidance(s)[0] == family.guidance(_settings())[0] and name != "frame_rate":
             assert compile_stats().since(before).xla_compiles == 0, name
         video, audio = ltx2_outputs(tiny_ltx2["2.3"], s.seed, output_type="latent", **_diffusers_call(s))
-        _close(ours.latents, video, f"{name}={value} video latents")
-        _close(ours.audio, audio, f"{name}={value} sound latents")
+        _close(ours.latents, video, f"{name}={value} video latents", atol=tol)
+        _close(ours.audio, audio, f"{name}={value} sound latents", atol=tol)
         moved_video = (ours.latents - base.latents).abs().max().item()
         if name == "frame_rate":  # the same frames last longer: more sound
             assert ours.audio.shape[2] > base.audio.shape[2]
-            assert moved_video > 5e-4, (name, moved_video)
+            assert moved_video > 5 * tol, (name, moved_video)
             continue
         moved_audio = (ours.audio - base.audio).abs().max().item()
-        # well past the 1e-4 the outputs agree to: a dropped pass or an ignored scale cannot pass
-        assert moved_audio > 5e-4, (name, moved_audio)
+        # well past the tolerance the outputs agree to: a dropped pass or an ignored scale cannot pass
+        assert moved_audio > 5 * tol, (name, moved_audio)
         if name != "audio_guidance":
-            assert moved_video > 5e-4, (name, moved_video)
+            assert moved_video > 5 * tol, (name, moved_video)
 
 
 def test_image_to_video_matches_diffusers(models, embeddings, tiny_ltx2, images):

@@ -166,7 +166,12 @@ def build_tiny_ltx2(directory: str | Path, generation: str = "2.0", seed: int = 
         with torch.no_grad():
             for name, p in module.named_parameters():
                 scale = strong_std if any(s in name for s in stronger) else std
-                p.copy_(exact(torch.randn_like(p) * scale, fp8))
+                noise = torch.randn_like(p) * scale
+                # The attention's q/k RMS-norm gains around 1, as a trained model's are: near 0 every score is
+                # near 0, the attention near uniform and blind to the positions (a RoPE 4e-3 rad off passed).
+                if name.endswith(("norm_q.weight", "norm_k.weight")):
+                    noise = 1.0 + noise
+                p.copy_(exact(noise, fp8))
         return module.eval()
 
     build_tokenizer(directory / "tokenizer")
