@@ -168,7 +168,7 @@ def test_seed_prompt_and_steps_compile_nothing_new(models, embeddings):
 
 @pytest.mark.parametrize("change, needle", [
     ({"height": 80}, "height=80 must be a positive multiple of 32"),
-    ({"num_frames": 20}, "frames=20 must be 8*N+1 for LTX-2 (e.g. 17 or 121"),
+    ({"num_frames": 13}, "frames=13 must be 8*N+1 for LTX-2 (nearest: 9 or 17; 121 is the native length)"),
     ({"steps": 5, "sigmas": "distilled"}, "the distilled sigma schedule has 8 steps"),
     ({"stg_blocks": (5,)}, "stg_blocks=[5]: this transformer has blocks 0..1"),
     ({"shift": 3.0}, "shift=3.0 is an option of Wan models"),
