@@ -51,6 +51,7 @@ FILE_CLASSES = {"transformer": ("diffusers", "LTX2VideoTransformer3DModel"), "co
                 "text_encoder": ("transformers", "Gemma3TextModel")}
 # diffusers' LTX2Pipeline.__call__ defaults
 NATIVE = (512, 768, 121)
+SIZE_MULTIPLE = 32  # diffusers' LTX2Pipeline.check_inputs
 DEFAULT_STEPS = 30
 DEFAULTS = {"guidance": 3.0, "audio_guidance": 7.0, "stg_scale": 1.0, "modality_scale": 3.0, "guidance_rescale": 0.7,
             "frame_rate": 24.0, "stg_blocks": (28,)}
@@ -105,6 +106,9 @@ class LTX2Family(LTX2Programs, ModelFamily):
         self.signature = config_signature(self.configs)
         self.vae_scale_spatial = int(self.vae_config.get("spatial_compression_ratio") or 32)
         self.vae_scale_temporal = int(self.vae_config.get("temporal_compression_ratio") or 8)
+        # height and width: multiples of 32 (diffusers' LTX-2 pipelines refuse anything else) and of the video
+        # VAE's compression times the transformer's patch (a VAE of 64x would need 64)
+        self.size_multiple = math.lcm(SIZE_MULTIPLE, self.vae_scale_spatial * int(t.get("patch_size", 1)))
         self.video_text_dim = int(c["video_connector_num_attention_heads"]) * int(c["video_connector_attention_head_dim"])
         self.audio_text_dim = int(c["audio_connector_num_attention_heads"]) * int(c["audio_connector_attention_head_dim"])
         self.perturbed_attention = bool(t.get("perturbed_attn", False))
@@ -278,8 +282,10 @@ class LTX2Family(LTX2Programs, ModelFamily):
 
     # --- validation ------------------------------------------------------------------------------------------
     def validate(self, height: int, width: int, num_frames: int) -> None:
-        m = self.vae_scale_spatial
-        problems = size_problems(height, width, m, f" for LTX-2 (VAE x{m})")
+        m = self.size_multiple
+        why = f" for LTX-2 (diffusers' LTX-2 pipelines take multiples of {SIZE_MULTIPLE}; this VAE compresses " \
+              f"{self.vae_scale_spatial}x)"
+        problems = size_problems(height, width, m, why)
         problem = frame_problem(num_frames, self.vae_scale_temporal, NATIVE[2], "LTX-2")
         raise_problems(problems + ([problem] if problem else []))
 
