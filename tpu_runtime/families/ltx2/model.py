@@ -38,7 +38,7 @@ from ...engine.validation import check_number, frame_problem, raise_problems, si
 from ...errors import InputError, ModelFolderError, StageFileError
 from . import SPEC
 from .programs import COEFFICIENTS, TEXT_LEN, Geometry, LTX2Programs, Passes
-from .rules import RULES
+from .rules import CONNECTOR_INPUT_RULES, RULES, connector_rules
 from .schedule import SIGMA_SCHEDULES, audio_latent_frames, positions, schedule_steps, timesteps
 
 log = logging.getLogger(__name__)
@@ -163,6 +163,17 @@ class LTX2Family(LTX2Programs, ModelFamily):
         self.scheduler_config = dict(SCHEDULER)
 
     # --- loading ---------------------------------------------------------------------------------------------
+    def _rules_for(self, name: str):
+        """The text connectors' rules depend on their heads: Megatron where ``tp`` divides a connector's heads
+        (2.3's 32), its attention split by input where not (2.0's 30 on tp=8); see ``rules.py``."""
+        if name != "connectors":
+            return super()._rules_for(name)
+        config, rules = self.configs["connectors"], CONNECTOR_INPUT_RULES
+        for modality in ("video", "audio"):
+            heads = int(config[f"{modality}_connector_num_attention_heads"])
+            rules += connector_rules(f"{modality}_connector", heads % self.mesh_spec.tp == 0)
+        return rules
+
     def _source(self, name: str) -> ComponentSource:
         from ...engine.weights import safetensors_files
 
