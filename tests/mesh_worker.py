@@ -2,6 +2,8 @@
 Works for CogVideoX and Wan folders alike.
 
 usage: python mesh_worker.py MODEL_DIR OUT_NPZ HEIGHT WIDTH MESH [MESH ...]
+       python mesh_worker.py --encode MODEL_DIR OUT_NPZ MESH [MESH ...]   (the text encode alone: prompt streams
+       and each text-encoder weight's sharding)
 A MESH may end in ":width" or ":replicated" (the VAE decode's layout; default auto, which is width on these 8
 devices), ":fsdp" (split every weight matrix over dp as well), ":decode9" (also decode random latents of 9 latent
 frames: CogVideoX's batch-by-batch decode), e.g. "dp=2,sp=1,tp=4:fsdp".
@@ -59,5 +61,26 @@ def main():
     print("REPORT " + json.dumps(report))
 
 
+def encode():
+    """The text encode stage on each mesh: its outputs, and how each text weight (encoder and connectors) is
+    split."""
+    model, out, *meshes = sys.argv[2:]
+    outputs, report = {}, {}
+    for mesh in meshes:
+        family = registry.open_model(model, dtype="float32", mesh=mesh)
+        emb = family.encode("a panda playing a guitar", "blurry, low quality")
+        key = mesh.replace(",", "_").replace("=", "")
+        outputs[key] = emb.prompt_embeds.numpy()
+        outputs[key + "_negative"] = emb.negative_prompt_embeds.numpy()
+        if emb.audio_prompt_embeds is not None:
+            outputs[key + "_audio"] = emb.audio_prompt_embeds.numpy()
+        report[mesh] = {f"{component}.{name}": [a if a is None or isinstance(a, str) else list(a)
+                                                 for a in array.sharding.spec]
+                        for component in ("text_encoder", "connectors") if component in family._states
+                        for name, array in family._states[component].items()}
+    np.savez(out, **outputs)
+    print("REPORT " + json.dumps(report))
+
+
 if __name__ == "__main__":
-    main()
+    encode() if sys.argv[1] == "--encode" else main()

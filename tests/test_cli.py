@@ -40,7 +40,7 @@ def test_bad_input_exits_2_with_a_message(tiny_models, tmp_path):
         env=subprocess_env(), capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 2
-    assert "error: frames=12 must be 8*N+1 for CogVideoX-2b (e.g. 9 or 49" in proc.stderr
+    assert "error: frames=12 must be 8*N+1 for CogVideoX-2b (nearest: 9 or 17; 49 is the native length)" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -24,11 +24,11 @@ def _classes() -> dict:
                                     LTX2TextConnectors, LTX2LatentUpsamplerModel, LTX2Vocoder, LTX2VocoderWithBWE)}
 
 
-def _abstract(model: str, **options):
+def _abstract(model: str, mesh: str = MESH, **options):
     from tpu_runtime.tools.plan import ModelSource, open_abstract, parse_topology
 
     topo = parse_topology("v6e-8")
-    return open_abstract(ModelSource(model), topo.devices(), Path(tempfile.mkdtemp()), mesh=MESH, **options)
+    return open_abstract(ModelSource(model), topo.devices(), Path(tempfile.mkdtemp()), mesh=mesh, **options)
 
 
 def _parameters(family, component: str) -> int:
@@ -175,21 +175,49 @@ def test_a_larger_slice_for_the_distilled_step_keeps_its_batch_of_one_whole():
 
 
 def test_a_slice_too_small_is_answered_in_seconds_with_every_stage():
-    """``plan --model ltx2.3-22b --topology v5e-8`` (every stage, the default): the resident weights alone exceed a
-    v5e chip, so no stage is compiled and the answer comes in seconds. Each skipped stage still reports the
-    weights it takes: the sound's decode takes two components' (audio VAE and vocoder, one nested state), which
-    used to end the plan with a traceback instead of the answer."""
+    """``plan --model ltx2.3-22b --topology v5e-4`` (every stage, the default): the resident weights alone exceed a
+    v5e chip (18.1 GiB on tp=4), so no stage is compiled and the answer comes in seconds. Each skipped stage still
+    reports the weights it takes: the sound's decode takes two components' (audio VAE and vocoder, one nested
+    state), which used to end the plan with a traceback instead of the answer."""
     from tpu_runtime.tools.plan import ModelSource, format_report, open_abstract, parse_topology, plan
     from tpu_runtime.tools.plan_compile import shard_bytes
 
-    report = plan(ModelSource("ltx2.3-22b"), "v5e-8", mesh="dp=1,sp=1,tp=8")
-    assert not report.fits and "alone need 17.1 GiB" in report.why, report.why
+    report = plan(ModelSource("ltx2.3-22b"), "v5e-4", mesh="dp=1,sp=1,tp=4")
+    assert not report.fits and "alone need 18.1 GiB" in report.why, report.why
     assert set(report.stages) == {"encode", "sample", "decode", "decode_audio"}
     assert all(s.skipped and not s.compiled for s in report.stages.values())
-    family = open_abstract(ModelSource("ltx2.3-22b"), parse_topology("v5e-8").devices(), Path(tempfile.mkdtemp()),
-                           mesh="dp=1,sp=1,tp=8")
+    family = open_abstract(ModelSource("ltx2.3-22b"), parse_topology("v5e-4").devices(), Path(tempfile.mkdtemp()),
+                           mesh="dp=1,sp=1,tp=4")
     for name in ("audio_vae", "vocoder"):
         family._component(name)
     expected = shard_bytes(family._states["audio_vae"]) + shard_bytes(family._states["vocoder"])
     assert report.stages["decode_audio"].weights_bytes_per_chip == expected > 0
     assert report.seconds < 60 and "were not compiled" in format_report(report)
+
+
+@pytest.mark.parametrize("model, heads", [("ltx2.3-22b", 32), ("ltx2-19b", 30)])
+def test_the_text_encode_is_split_over_the_chips(model, heads):
+    """The encode stage's weights per chip on v6e-8 (tp=8): Gemma 3 12B, its token embedding included, and the
+    text connectors each an eighth of their size (2.3: 10.29 GiB a chip before, 5.9 of it the connectors held
+    whole; now 3.48), whether tp divides the connectors' heads (2.3's 32) or not (2.0's 30: their attention split
+    by input); and ``plan`` prints every stage's weights per chip."""
+    from tpu_runtime.engine.stages import SampleSettings
+    from tpu_runtime.tools.plan import GIB, PlanReport, format_report, stage_weights
+
+    family = _abstract(model, mesh="dp=1,sp=1,tp=8")
+    assert int(family.configs["connectors"]["video_connector_num_attention_heads"]) == heads
+    programs = family.plan_programs(SampleSettings(512, 768, 121, guidance=family.DEFAULT_GUIDANCE))
+    weights = stage_weights(family, programs)
+    for component in ("text_encoder", "connectors"):
+        whole = sum(int(np.prod(s.shape)) * s.dtype.itemsize
+                    for s in {id(s): s for s in family._states[component].values()}.values())
+        assert weights["encode"][component] < whole / 8 * 1.01, (component, weights["encode"][component], whole)
+    assert sum(weights["encode"].values()) < 3.5 * GIB, weights["encode"]
+    report = PlanReport(model=model, topology="v6e-8", chips=8, hosts=2, chip_hbm_bytes=32 * GIB, height=512,
+                        width=768, frames=121, cfg=True, dtype="bfloat16", attention="splash", fsdp=False,
+                        vae_sharding="width", layers=None, mesh="dp=1,sp=1,tp=8", fits=True, peak_bytes_per_chip=0,
+                        stages={}, stage_weights=weights)
+    encode = weights["encode"]
+    line = (f"encode {sum(encode.values()) / GIB:.2f} (text_encoder {encode['text_encoder'] / GIB:.2f}, "
+            f"connectors {encode['connectors'] / GIB:.2f}); sample {weights['sample']['transformer'] / GIB:.2f}")
+    assert line in format_report(report), format_report(report)

@@ -241,3 +241,37 @@ def test_wan_lora_merges_under_each_weights_sharding(four_head_wan, tmp_path):
     settings = SampleSettings(64, 128, 9, steps=2, guidance=6.0, seed=4, loras=(LoraSpec(str(lora), 0.7),))
     single = family.decode(family.sample(emb, settings)).numpy()
     assert np.abs(np.load(out) - single).max() < 1e-4
+
+
+@pytest.mark.parametrize("generation", ["2.3", "2.0"])
+def test_ltx2_text_encode_split_over_tp_matches_one_device(tiny_ltx2, tmp_path, generation):
+    """LTX-2's text encode with Gemma's token embedding and the text connectors split over tp gives the one-device
+    prompt streams. The tiny 2.3's connectors have 2 heads (tp=2 divides them: Megatron), the tiny 2.0's 3 (it
+    does not: their attention split by input, their feed-forward by Megatron); the input projections from Gemma's
+    stacked states by input."""
+    from tpu_runtime.families.ltx2.model import LTX2Family
+
+    meshes = ["dp=2,sp=2,tp=2"]
+    folder = tiny_ltx2[generation]
+    out = tmp_path / "streams.npz"
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("mesh_worker.py")), "--encode", str(folder),
+                           str(out), *meshes], env=subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.split("REPORT ", 1)[1])
+    alone = LTX2Family(folder, dtype="float32").encode("a panda playing a guitar", "blurry, low quality")
+    streams = np.load(out)
+    for mesh in meshes:
+        key = mesh.replace(",", "_").replace("=", "")
+        for suffix, want in (("", alone.prompt_embeds), ("_negative", alone.negative_prompt_embeds),
+                             ("_audio", alone.audio_prompt_embeds)):
+            assert np.abs(streams[key + suffix] - want.numpy()).max() < 1e-5, (mesh, suffix)
+        specs = report[mesh]
+        assert specs["text_encoder.embed_tokens.weight"] == [None, "tp"], specs
+        projection = "connectors.video_text_proj_in.weight" if generation == "2.3" else "connectors.text_proj_in.weight"
+        assert specs[projection] == [None, "tp"], specs
+        block = "connectors.video_connector.transformer_blocks.0."
+        megatron = generation == "2.3"
+        assert specs[block + "attn1.to_q.weight"] == (["tp", None] if megatron else [None, "tp"]), specs
+        assert specs[block + "ff.net.0.proj.weight"] == ["tp", None], specs
+        assert specs[block + "ff.net.2.weight"] == [None, "tp"], specs

@@ -153,6 +153,63 @@ def test_wan22_experts_keep_their_own_state_and_ratios(tiny_wan, tmp_path):
     assert config["step_cache"]["skipped_per_transformer"] == {"transformer": 5, "transformer_2": 1}
 
 
+def test_wan22_one_list_is_one_config_on_both_experts(tiny_wan, tmp_path):
+    """One ratio list for a two-expert model is diffusers' one ``MagCacheConfig`` enabled on ``transformer`` and
+    ``transformer_2`` with the run's step count: the list (longer than the run, so interpolated) is interpolated to
+    the run's 10 steps, each expert reads it from its own first step and keeps its first int(0.2 x 10 + 0.5) = 2
+    steps. Both experts compute and then skip: the high-noise expert's steps 3-5 and 7, the low-noise expert's
+    last (counted from 1). With UniPC and CFG, the second guidance other than the first."""
+    from tpu_runtime.families.wan.model import WanFamily
+
+    h, w, f = WAN_SIZE
+    folder = tiny_wan["2.2-A14B"]
+    family = WanFamily(folder, dtype="float32")
+    steps = 10
+    assert _experts(family, steps) == {"transformer": 7, "transformer_2": 3}
+    ratios = [1.0, 0.98, 0.99, 0.995, 0.97, 0.99, 0.985, 0.99, 0.97, 0.99, 0.98, 0.99, 0.97, 0.96]
+    size = dict(height=h, width=w, frames=f)
+    ours, config = _run(family, tmp_path / "mag", cache="magcache", mag_ratios=",".join(map(str, ratios)),
+                        cache_threshold=0.1, steps=steps, guidance=4.0, guidance_2=2.5, **size)
+    shared = _mag(steps, ratios, threshold=0.1)
+    pipe = load_wan_pipeline(str(folder))
+    _equal_and_cached(tmp_path / "mag", ours, _wan_reference(
+        folder, pipe, {"transformer": shared, "transformer_2": shared}, **size, steps=steps, guidance=4.0,
+        guidance_2=2.5))
+    cache = config["step_cache"]
+    assert cache["skipped_steps"] == [3, 4, 5, 7, 10]
+    assert cache["skipped_steps_per_pass"] == {"uncond": [3, 4, 5, 7, 10], "cond": [3, 4, 5, 7, 10]}
+    assert cache["skipped_per_transformer"] == {"transformer": 4, "transformer_2": 1}
+
+
+def test_schedule_of_one_config_shared_by_two_experts_is_diffusers():
+    """``schedule(..., calls=n)`` is the decision of diffusers' hook whose config counts the whole run's steps while
+    its transformer runs only ``n`` of them: the list read from the expert's own first step, the retention from the
+    run's count, 1.0 past the list's end; and a transformer called more often than its config counts starts over."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=1, attention_head_dim=8, in_channels=4,
+                                  out_channels=4, text_dim=8, freq_dim=8, ffn_dim=8, num_layers=2).eval()
+    calls = []
+    model.blocks[1].ffn.register_forward_hook(lambda *a: calls.append(1))
+    x, text = torch.zeros(1, 4, 1, 2, 2), torch.zeros(1, 3, 8)
+    ratios = [1.0, 0.97, 0.99, 0.995, 0.96, 0.99, 0.98, 0.99, 0.95, 0.99, 0.98]
+    for steps, n in ((10, 7), (10, 3), (12, 12), (6, 9), (4, 11)):
+        mine = schedule(ratios, steps, 0.08, 2, 0.2, calls=n)
+        model.enable_cache(MagCacheConfig(threshold=0.08, max_skip_steps=2, retention_ratio=0.2,
+                                          num_inference_steps=steps, mag_ratios=list(ratios)))
+        decided = []
+        with torch.no_grad():
+            for i in range(n):
+                calls.clear()
+                with model.cache_context("cond"):
+                    model(x, torch.tensor([999 - i]), text)
+                decided.append(bool(calls))
+        model.disable_cache()
+        assert decided == mine, (steps, n, decided, mine)
+        assert False in mine and mine.count(True) > 1
+
+
 @pytest.mark.parametrize("method,scheduler", [("magcache", "dpm"), ("first-block", "ddim")])
 def test_cogvideox_equals_diffusers_with_one_batched_cfg_context(cog2, tmp_path, method, scheduler):
     """CogVideoX's pipeline calls CFG as one batch ("cond_uncond"): one state, one decision for both halves; the

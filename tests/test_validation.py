@@ -21,11 +21,13 @@ def no_compiles(runtime):
 @pytest.mark.parametrize(
     "generation,size,message",
     [
-        ("2b", (64, 64, 10), r"frames=10 must be 8\*N\+1 for CogVideoX-2b \(e.g. 9 or 49"),
-        ("5b", (64, 64, 48), r"frames=48 must be 8\*N\+1 .*e.g. 49"),
-        ("1.5", (64, 64, 57), r"frames=57 must be 16\*N\+1 for CogVideoX-1.5 \(e.g. 65 or 81, the native"),
-        ("2b", (100, 64, 9), r"height=100 must be a positive multiple of 16 \(e.g. 96\)"),
-        ("2b", (64, 70, 9), r"width=70 must be a positive multiple of 16 \(e.g. 64\)"),
+        ("2b", (64, 64, 10), r"frames=10 must be 8\*N\+1 for CogVideoX-2b \(nearest: 9 or 17; 49 is the native"),
+        ("5b", (64, 64, 48), r"frames=48 must be 8\*N\+1 .*nearest: 41 or 49;"),
+        ("1.5", (64, 64, 57), r"frames=57 must be 16\*N\+1 for CogVideoX-1.5 \(nearest: 49 or 65; 81 is the native"),
+        ("2b", (64, 64, 0), r"frames=0 must be 8\*N\+1 .*\(nearest: 1; 49"),
+        ("2b", (100, 64, 9), r"height=100 must be a positive multiple of 16 \(nearest: 96 or 112\)"),
+        ("2b", (64, 70, 9), r"width=70 must be a positive multiple of 16 \(nearest: 64 or 80\)"),
+        ("2b", (8, 64, 9), r"height=8 must be a positive multiple of 16 \(nearest: 16\)"),
     ],
 )
 def test_bad_sizes(tiny_models, no_compiles, generation, size, message):

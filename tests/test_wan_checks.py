@@ -83,7 +83,7 @@ def embeds(wan21):
 
 
 def test_sizes_and_frames_are_checked(wan21, embeds, tiny_wan):
-    _refused(lambda: wan21.validate(64, 64, 10), "frames=10", "4*N+1", "e.g. 9")
+    _refused(lambda: wan21.validate(64, 64, 10), "frames=10", "4*N+1", "nearest: 9 or 13")
     _refused(lambda: wan21.validate(72, 64, 9), "height=72", "multiple of 16")
     ti2v = WanFamily(tiny_wan["2.2-TI2V-5B"], dtype="float32")
     _refused(lambda: ti2v.validate(48, 64, 9), "height=48", "multiple of 32", "TI2V-5B")

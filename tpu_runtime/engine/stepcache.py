@@ -109,20 +109,25 @@ def nearest_interp(ratios, steps: int) -> np.ndarray:
     return ratios[np.round(np.arange(steps, dtype=np.float32) * scale).astype(np.int64)]
 
 
-def schedule(ratios, steps: int, threshold: float, max_skip: int, retention: float) -> list[bool]:
-    """Which of ``steps`` calls MagCache computes (True) or skips (False), as diffusers' hook decides it for one
-    cache context of one transformer whose config counts ``steps``: float32 arithmetic (its ratios are a float32
-    tensor), the ratio multiplied in before the test, skip while the accumulated error is <= the threshold for at
-    most ``max_skip`` calls in a row, the first ``int(retention * steps + 0.5)`` calls always computed."""
+def schedule(ratios, steps: int, threshold: float, max_skip: int, retention: float,
+             calls: int | None = None) -> list[bool]:
+    """Which calls MagCache computes (True) or skips (False), as diffusers' hook decides them for one cache context
+    of one transformer whose ``MagCacheConfig`` says ``num_inference_steps=steps`` and which is called ``calls``
+    times (default ``steps``; a Wan 2.2 expert given the run's whole step count is called for its own steps only).
+    The hook's arithmetic: the ratios interpolated to ``steps`` (a float32 tensor) and read at the transformer's own
+    call count (1.0 past their end); the ratio multiplied in before the test; skip while the accumulated error is
+    <= the threshold for at most ``max_skip`` calls in a row; the first ``int(retention * steps + 0.5)`` calls
+    always computed; after ``steps`` calls the state starts over (nothing cached, counted from 0 again)."""
     r = nearest_interp(ratios, steps)
+    calls = steps if calls is None else calls
     keep = int(retention * steps + 0.5)
     thr, one = np.float32(threshold), np.float32(1.0)
-    out, have_residual = [], False
+    out, have_residual, step = [], False, 0
     acc_ratio, acc_err, acc_steps = one, np.float32(0.0), 0
-    for step in range(steps):
+    for _ in range(calls):
         compute = True
         if step >= keep:
-            acc_ratio = np.float32(acc_ratio * r[step])
+            acc_ratio = np.float32(acc_ratio * (r[step] if step < len(r) else one))
             acc_steps += 1
             acc_err = np.float32(acc_err + np.float32(abs(one - acc_ratio)))
             if have_residual and acc_err <= thr and acc_steps <= max_skip:
@@ -131,6 +136,10 @@ def schedule(ratios, steps: int, threshold: float, max_skip: int, retention: flo
                 acc_ratio, acc_err, acc_steps = one, np.float32(0.0), 0
         have_residual = have_residual or compute
         out.append(compute)
+        step += 1
+        if step >= steps:  # the hook's end of inference: its state is reset
+            step, have_residual = 0, False
+            acc_ratio, acc_err, acc_steps = one, np.float32(0.0), 0
     return out
 
 
@@ -385,10 +394,16 @@ class StepCacheRunner:
         self.state = {e: _ExpertState() for e in counts}
         if self.method == "magcache":
             for e, n in counts.items():
-                listed = (ratios or {}).get(e, (ratios or {}).get("*"))
+                own = (ratios or {}).get(e)
+                listed = own if own is not None else (ratios or {}).get("*")
                 if listed is None:
                     raise InputError(f"no MagCache ratios for {family.label}'s {e}: give them with --mag-ratios")
-                self.state[e].schedule = schedule(listed, n, self.threshold, cache.max_skip, cache.retention)
+                # A transformer's own list: diffusers' config for that transformer counts its own steps. One list
+                # for every transformer: one config enabled on each, counting the run's steps (a Wan 2.2 expert
+                # then reads the list from its start and keeps its first steps from the run's count).
+                total = n if own is not None else len(self.experts)
+                self.state[e].schedule = schedule(listed, total, self.threshold, cache.max_skip, cache.retention,
+                                                  calls=n)
         self._ratio_fn = jax.jit(_calibration_ratio, static_argnums=(2,)) if self.method == "calibrate" else None
         self.block_runs = 0  # transformer blocks run, the CFG batch counted once
         self.steps: list[tuple[int, str, tuple]] = []  # (step, transformer, contexts skipped)

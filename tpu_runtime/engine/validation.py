@@ -9,34 +9,41 @@ import math
 from ..errors import InputError
 
 
-def nearest_multiple(value, multiple: int) -> int:
-    """The positive multiple of ``multiple`` nearest ``value`` (for error messages)."""
+def neighbours(value, step: int, first: int) -> list[int]:
+    """The valid values ``first + step * N`` (N >= 0) nearest ``value`` on each side: one where ``value`` lies
+    below ``first`` or is no number (``first``), else the one below it and the one above it."""
     try:
-        return max(multiple, int(round(float(value) / multiple)) * multiple)
+        v = float(value)
     except (TypeError, ValueError):
-        return multiple
+        return [first]
+    if not math.isfinite(v) or v <= first:
+        return [first]
+    below = first + int((v - first) // step) * step
+    return [below] if below == v else [below, below + step]
+
+
+def _nearest(values: list[int]) -> str:
+    return f"nearest: {' or '.join(map(str, values))}"
 
 
 def size_problems(height, width, multiple: int, why: str = "") -> list[str]:
-    """Messages for a height/width that is not a positive multiple of ``multiple``."""
+    """Messages for a height/width that is not a positive multiple of ``multiple``, naming the nearest multiples
+    on both sides."""
     problems = []
     for name, value in (("height", height), ("width", width)):
         if not isinstance(value, int) or value <= 0 or value % multiple:
             problems.append(f"{name}={value} must be a positive multiple of {multiple}{why} "
-                            f"(e.g. {nearest_multiple(value, multiple)})")
+                            f"({_nearest(neighbours(value, multiple, multiple))})")
     return problems
 
 
 def frame_problem(num_frames, rule: int, native: int, model: str) -> str | None:
-    """A message for a frame count that is not ``rule * N + 1``, naming the nearest valid value."""
+    """A message for a frame count that is not ``rule * N + 1``, naming the nearest valid counts on both sides and
+    the model's native length."""
     if isinstance(num_frames, int) and num_frames >= 1 and (num_frames - 1) % rule == 0:
         return None
-    try:
-        k = max(0, round((float(num_frames) - 1) / rule))
-    except (TypeError, ValueError):
-        k = 0
     return (f"frames={num_frames} must be {rule}*N+1 for {model} "
-            f"(e.g. {k * rule + 1} or {native}, the native length)")
+            f"({_nearest(neighbours(num_frames, rule, 1))}; {native} is the native length)")
 
 
 def check_number(name: str, value, *, minimum=None, above=None, below=None, integer: bool = False,

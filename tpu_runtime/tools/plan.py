@@ -58,6 +58,8 @@ class MeshReport:
     stages: dict[str, StageReport] = field(default_factory=dict)
     why: str = ""  # what made it "does not fit", when it does not
     step_cache_bytes_per_chip: int = 0  # what a step cache keeps between steps (every transformer's)
+    # every stage of a generation (planned or not): its components' weights per chip, {stage: {component: bytes}}
+    stage_weights: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -86,6 +88,7 @@ class PlanReport:
     step_cache: str = "none"
     step_cache_bytes_per_chip: int = 0
     sampling: dict = field(default_factory=dict)  # the release's own sampling settings it was planned with
+    stage_weights: dict[str, dict[str, int]] = field(default_factory=dict)  # see MeshReport
     candidates: list[dict] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -213,7 +216,7 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
             peak_bytes_per_chip=chosen.peak_bytes_per_chip, stages=chosen.stages,
             resident_weights_bytes_per_chip=chosen.resident_weights_bytes_per_chip, why=chosen.why,
             step_cache=cache, step_cache_bytes_per_chip=chosen.step_cache_bytes_per_chip,
-            candidates=[{"mesh": r.mesh, "fits": r.fits, "peak_bytes_per_chip": r.peak_bytes_per_chip}
+            stage_weights=chosen.stage_weights, candidates=[{"mesh": r.mesh, "fits": r.fits, "peak_bytes_per_chip": r.peak_bytes_per_chip}
                         for r in results],
         )
         if not report.fits:
@@ -278,7 +281,8 @@ def _plan_mesh(family, settings: SampleSettings, stages, topo: Topology, every_s
     components = sorted({c for p in every for c in p.components})
     # a program names every component it takes turns with (a two-expert model's second expert)
     weights = {c: shard_bytes(family.state(c)) for c in components}
-    report = MeshReport(str(family.mesh_spec), False, sum(weights.values()) + held, 0, step_cache_bytes_per_chip=held)
+    report = MeshReport(str(family.mesh_spec), False, sum(weights.values()) + held, 0, step_cache_bytes_per_chip=held,
+                        stage_weights=stage_weights(family, every))
     _PROGRESS["stages"] = report.stages
     verdict = None
     if report.resident_weights_bytes_per_chip > topo.hbm_bytes:
@@ -307,6 +311,15 @@ def _plan_mesh(family, settings: SampleSettings, stages, topo: Topology, every_s
     report.fits = all(r.compiled for r in report.stages.values()) and report.peak_bytes_per_chip <= topo.hbm_bytes
     report.why = verdict or ""
     return report
+
+
+def stage_weights(family, programs) -> dict[str, dict[str, int]]:
+    """Every program's components' weights per chip, ``{program name: {component: bytes}}``, from the shapes and
+    shardings alone (nothing compiled)."""
+    out = {}
+    for program in programs:
+        out[program.name] = {c: shard_bytes(family.state(c)) for c in program.components}
+    return out
 
 
 def _beside(stage: StageReport, resident_inputs: int = 0) -> int:
@@ -452,6 +465,13 @@ def format_report(r: PlanReport) -> str:
                      f"{s.all_reduces:>9}{s.all_gathers:>9}{s.mosaic_kernels:>8}{s.compile_seconds:>11.1f}")
         if s.error:
             lines.append(f"           {s.error}")
+    if r.stage_weights:
+        parts = []
+        for name, components in r.stage_weights.items():
+            detail = f" ({', '.join(f'{c} {_gib(b)}' for c, b in components.items())})" if len(components) > 1 else ""
+            parts.append(f"{name} {_gib(sum(components.values()))}{detail}")
+        lines.append(f"  weights per {unit} by stage, GiB (every stage's, planned or not; all stay resident): "
+                     f"{'; '.join(parts)}")
     if len(r.candidates) > 1:
         tried = "; ".join(f"{c['mesh']}: {_gib(c['peak_bytes_per_chip'])} GiB"
                           f"{'' if c['fits'] else ' (does not fit)'}" for c in r.candidates)

@@ -40,13 +40,14 @@ from . import SPEC
 from .files import LTX2Files
 from .loading import LTX2Components
 from .programs import COEFFICIENTS, TEXT_LEN, Geometry, LTX2Programs, Passes
-from .rules import RULES
+from .rules import CONNECTOR_INPUT_RULES, RULES, connector_rules
 from .schedule import audio_latent_frames, positions, schedule_steps, timesteps
 
 log = logging.getLogger(__name__)
 
 COMPONENTS = ("scheduler", "text_encoder", "tokenizer", "connectors", "transformer", "vae", "audio_vae", "vocoder")
 NATIVE = (512, 768, 121)  # diffusers' LTX2Pipeline.__call__ defaults (its other defaults: the declared settings')
+SIZE_MULTIPLE = 32  # diffusers' LTX2Pipeline.check_inputs
 
 
 def generation_of(transformer_config: dict, connectors_config: dict) -> str:
@@ -90,6 +91,9 @@ class LTX2Family(LTX2Programs, LTX2Components, FolderOrFiles, ModelFamily):
         self.signature = config_signature(self.configs)
         self.vae_scale_spatial = int(self.vae_config.get("spatial_compression_ratio") or 32)
         self.vae_scale_temporal = int(self.vae_config.get("temporal_compression_ratio") or 8)
+        # height and width: multiples of 32 (diffusers' LTX-2 pipelines refuse anything else) and of the video
+        # VAE's compression times the transformer's patch (a VAE of 64x would need 64)
+        self.size_multiple = math.lcm(SIZE_MULTIPLE, self.vae_scale_spatial * int(t.get("patch_size", 1)))
         self.video_text_dim = int(c["video_connector_num_attention_heads"]) * int(c["video_connector_attention_head_dim"])
         self.audio_text_dim = int(c["audio_connector_num_attention_heads"]) * int(c["audio_connector_attention_head_dim"])
         self.perturbed_attention = bool(t.get("perturbed_attn", False))
@@ -128,9 +132,22 @@ class LTX2Family(LTX2Programs, LTX2Components, FolderOrFiles, ModelFamily):
         return int(self.configs["vocoder"].get("output_sampling_rate", 24000))
 
     # --- validation ------------------------------------------------------------------------------------------
+    def rules_for(self, name: str):
+        """The text connectors' rules depend on their heads: Megatron where ``tp`` divides a connector's heads
+        (2.3's 32), its attention split by input where not (2.0's 30 on tp=8); see ``rules.py``."""
+        if name != "connectors":
+            return super().rules_for(name)
+        config, rules = self.configs["connectors"], CONNECTOR_INPUT_RULES
+        for modality in ("video", "audio"):
+            heads = int(config[f"{modality}_connector_num_attention_heads"])
+            rules += connector_rules(f"{modality}_connector", heads % self.mesh_spec.tp == 0)
+        return rules
+
     def validate(self, height: int, width: int, num_frames: int) -> None:
-        m = self.vae_scale_spatial
-        problems = size_problems(height, width, m, f" for LTX-2 (VAE x{m})")
+        m = self.size_multiple
+        why = f" for LTX-2 (diffusers' LTX-2 pipelines take multiples of {SIZE_MULTIPLE}; this VAE compresses " \
+              f"{self.vae_scale_spatial}x)"
+        problems = size_problems(height, width, m, why)
         problem = frame_problem(num_frames, self.vae_scale_temporal, NATIVE[2], "LTX-2")
         raise_problems(problems + ([problem] if problem else []))
 

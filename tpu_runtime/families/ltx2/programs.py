@@ -9,6 +9,7 @@ replacement they are traced with.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -76,7 +77,7 @@ class LTX2Programs:
         states = {"text_encoder": self.state("text_encoder"), "connectors": self.state("connectors")}
         example = (states, self.arg(shape, torch.int32), self.arg(shape, torch.int32))
         return StageProgram("encode", encode_fn, example, shape, f"Gemma 3 and the text connectors for {TEXT_LEN} "
-                            "tokens", self.traced(_functional_rope), ("text_encoder", "connectors"))
+                            "tokens", self.traced(_traced_as_diffusers), ("text_encoder", "connectors"))
 
     # --- image to video --------------------------------------------------------------------------------------------
     def image_programs(self, height: int, width: int, num_frames: int, images: int = 1) -> list[StageProgram]:
@@ -159,7 +160,7 @@ class LTX2Programs:
                    arg((1, tokens), f32) if image else None)
         return StageProgram("sample", step_fn, example, (g, passes, image, self.attention),
                             f"LTX-2 sampler step for {g.describe()} ({passes.describe()}, mesh {self.mesh_spec}, "
-                            f"{self.attention.impl} attention)", self.traced(_functional_rope), ("transformer",))
+                            f"{self.attention.impl} attention)", self.traced(_traced_as_diffusers), ("transformer",))
 
     # --- stage 3: decode -------------------------------------------------------------------------------------------
     def decode_programs(self, z_shape: tuple[int, ...]) -> list[StageProgram]:
@@ -304,15 +305,106 @@ def _split_rope(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor]) -> to
     return out.to(dtype)
 
 
-@contextlib.contextmanager
-def _functional_rope():
-    """While tracing: the LTX-2 attention processors (the transformer's and the connectors') rotate with
-    ``_split_rope``; they look the function up in their module at every call."""
-    from diffusers.models.transformers import transformer_ltx2
+def _rope_frequencies(module, count: int, device) -> torch.Tensor:
+    """The RoPE frequency vector ``theta ** linspace(0, 1, count) * pi / 2`` as diffusers computes it, on the host:
+    in float64 where the module says ``double_precision`` (LTX-2's released configs do), then rounded to float32.
+    Traced, JAX (without x64) would take that power in float32: 2.6e-7 relative error where float64 rounded to
+    float32 has 6e-8, which the positions multiply up to theta * pi / 2 (15708 rad at theta 1e4): angles up to
+    4e-3 rad off where diffusers' float32 run is at most 1e-3 off, and with attention as sharp as a trained model's
+    the prompt streams came out 1.5e-5 (relative) from diffusers' float64 run instead of 5e-7."""
+    dtype = torch.float64 if module.double_precision else torch.float32
+    powers = torch.pow(module.theta, torch.linspace(0.0, 1.0, steps=count, dtype=dtype, device="cpu"))
+    return (powers * torch.pi / 2.0).to(torch.float32).to(device)
 
-    original = transformer_ltx2.apply_split_rotary_emb
-    transformer_ltx2.apply_split_rotary_emb = _split_rope
+
+def _divided(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor`` rounded as torch rounds it. XLA turns a division by a constant into a multiplication by its
+    reciprocal (by 20, LTX-2's base frame count, a fifth of the quotients come out one bit off, which RoPE then
+    multiplies by up to 15708 rad); a divisor of x's own shape, computed from x, keeps it a division."""
+    return x / (x * 0 + divisor)
+
+
+def _rope_tables(freqs: torch.Tensor, dim: int, elems: int, rope_type: str, heads: int):
+    """(cos, sin) of the angles ``freqs`` [B, T, n] laid out as LTX-2's attention takes them: "interleaved" (each
+    value twice, ones/zeros in front up to ``dim``) or "split" ([B, heads, T, dim / 2 / heads], ones/zeros in front
+    up to dim / 2). ``elems``: 2 x the position's dimensions."""
+    cos, sin = freqs.cos(), freqs.sin()
+    if rope_type == "interleaved":
+        cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+        pad = dim % elems
+    else:
+        pad = dim // 2 - cos.shape[-1]
+    if pad:
+        cos = torch.cat([torch.ones_like(cos[..., :pad]), cos], dim=-1)
+        sin = torch.cat([torch.zeros_like(sin[..., :pad]), sin], dim=-1)
+    if rope_type == "interleaved":
+        return cos, sin
+    b, t = cos.shape[:2]
+    return (cos.reshape(b, t, heads, -1).swapaxes(1, 2), sin.reshape(b, t, heads, -1).swapaxes(1, 2))
+
+
+def _connector_rope(self, batch_size: int, pos: int, device):
+    """``LTX2RotaryPosEmbed1d.forward`` (the text connectors' positions: token i at i / base_seq_len) with its
+    frequencies from ``_rope_frequencies``."""
+    grid = _divided(torch.arange(pos, dtype=torch.float32, device=device), self.base_seq_len).unsqueeze(0)
+    grid = grid.repeat(batch_size, 1)
+    freqs = (grid.unsqueeze(-1) * 2 - 1) * _rope_frequencies(self, self.dim // 2, device)
+    return _rope_tables(freqs, self.dim, 2, self.rope_type, self.num_attention_heads)
+
+
+def _audio_video_rope(self, coords: torch.Tensor, device=None):
+    """``LTX2AudioVideoRotaryPosEmbed.forward`` (the transformer's video, sound and cross-modal positions: patch
+    midpoints as fractions of the base size) with its frequencies from ``_rope_frequencies``."""
+    device = device or coords.device
+    dims = coords.shape[1]
+    if coords.ndim == 4:  # [start, end) of each patch: its midpoint
+        start, end = coords.chunk(2, dim=-1)
+        coords = ((start + end) / 2.0).squeeze(-1)
+    base = (self.base_num_frames, self.base_height, self.base_width) if self.modality == "video" \
+        else (self.base_num_frames,)
+    grid = torch.stack([_divided(coords[:, i], base[i]) for i in range(dims)], dim=-1).to(device)
+    freqs = (grid.unsqueeze(-1) * 2 - 1) * _rope_frequencies(self, self.dim // (2 * dims), device)
+    freqs = freqs.transpose(-1, -2).flatten(2)
+    return _rope_tables(freqs, self.dim, 2 * dims, self.rope_type, self.num_attention_heads)
+
+
+def _timestep_embedding(timesteps: torch.Tensor, embedding_dim: int, flip_sin_to_cos: bool = False,
+                        downscale_freq_shift: float = 1, scale: float = 1, max_period: int = 10000) -> torch.Tensor:
+    """diffusers' ``get_timestep_embedding`` (sines and cosines of the timestep times ``exp(-ln(max_period) i /
+    (half - shift))``) with those frequencies computed on the host by torch, the rest in the same order. diffusers
+    takes them in float32 whatever the model's dtype, so its float32 and float64 runs share them bit for bit;
+    XLA's exp differs from torch's in the last bit, which timesteps up to 1000 (LTX-2 scales sigma by 1000) turn
+    into embeddings 2.9e-5 off."""
+    half = embedding_dim // 2
+    exponent = -math.log(max_period) * torch.arange(start=0, end=half, dtype=torch.float32, device="cpu")
+    frequencies = torch.exp(exponent / (half - downscale_freq_shift)).to(timesteps.device)
+    angles = scale * (timesteps[:, None].float() * frequencies[None, :])
+    embedding = torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)
+    if flip_sin_to_cos:
+        embedding = torch.cat([embedding[:, half:], embedding[:, :half]], dim=-1)
+    if embedding_dim % 2 == 1:
+        embedding = torch.nn.functional.pad(embedding, (0, 1, 0, 0))
+    return embedding
+
+
+@contextlib.contextmanager
+def _traced_as_diffusers():
+    """While tracing LTX-2's programs: the attention processors (the transformer's and the connectors') rotate with
+    ``_split_rope`` (they look the function up in their module at every call), and the position and timestep
+    embeddings take their frequencies from the host (``_rope_frequencies``, ``_timestep_embedding``)."""
+    from diffusers.models import embeddings
+    from diffusers.models.transformers import transformer_ltx2
+    from diffusers.pipelines.ltx2 import connectors
+
+    patched = ((transformer_ltx2, "apply_split_rotary_emb", _split_rope),
+               (transformer_ltx2.LTX2AudioVideoRotaryPosEmbed, "forward", _audio_video_rope),
+               (connectors.LTX2RotaryPosEmbed1d, "forward", _connector_rope),
+               (embeddings, "get_timestep_embedding", _timestep_embedding))
+    originals = [getattr(owner, name) for owner, name, _ in patched]
+    for owner, name, replacement in patched:
+        setattr(owner, name, replacement)
     try:
         yield
     finally:
-        transformer_ltx2.apply_split_rotary_emb = original
+        for (owner, name, _), original in zip(patched, originals):
+            setattr(owner, name, original)

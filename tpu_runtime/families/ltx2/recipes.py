@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ...engine.stages import SampleSettings
+from ...engine.validation import neighbours
 from ...errors import InputError
 
 
@@ -16,11 +17,12 @@ def two_stage_settings(family, settings: SampleSettings) -> tuple[SampleSettings
     if family.upsampler_path is None:
         raise InputError(f"--two-stage needs the spatial latent upsampler: {family.label} has none; give its folder "
                          "with --upsampler (with single files: --latent-upscaler FILE)")
-    m = 2 * family.vae_scale_spatial
+    m = 2 * family.size_multiple
     if settings.height % m or settings.width % m:
+        nearest = "; ".join(f"{name} {' or '.join(map(str, neighbours(v, m, m)))}"
+                            for name, v in (("height", settings.height), ("width", settings.width)) if v % m)
         raise InputError(f"--two-stage samples at half the size first: height and width must be multiples of {m} "
-                         f"(got {settings.height}x{settings.width}; e.g. {settings.height // m * m or m}x"
-                         f"{settings.width // m * m or m})")
+                         f"(got {settings.width}x{settings.height}, width x height; nearest: {nearest})")
     if settings.cache is not None:
         raise InputError("--cache with --two-stage: step caching is not offered for LTX-2; leave --cache out")
     first = dataclasses.replace(settings, height=settings.height // 2, width=settings.width // 2, loras_2=())

@@ -41,11 +41,12 @@ def gemma_config(layers: int = GEMMA["layers"]) -> dict:
         eoi_token_index=GEMMA["vocab"] - 2)
 
 
-def transformer_config(generation: str, layers: int = 2) -> dict:
+def transformer_config(generation: str, layers: int = 2, spatial: int = 32) -> dict:
     v23 = generation == "2.3"
     return dict(
         in_channels=LATENT, out_channels=LATENT, patch_size=1, patch_size_t=1, num_attention_heads=VIDEO_HEADS,
-        attention_head_dim=VIDEO_HEAD_DIM, cross_attention_dim=VIDEO_HEADS * VIDEO_HEAD_DIM, vae_scale_factors=(8, 32, 32),
+        attention_head_dim=VIDEO_HEAD_DIM, cross_attention_dim=VIDEO_HEADS * VIDEO_HEAD_DIM,
+        vae_scale_factors=(8, spatial, spatial),
         audio_in_channels=AUDIO_LATENT * MEL_BINS // 4, audio_out_channels=AUDIO_LATENT * MEL_BINS // 4,
         audio_num_attention_heads=AUDIO_HEADS, audio_attention_head_dim=AUDIO_HEAD_DIM,
         audio_cross_attention_dim=AUDIO_HEADS * AUDIO_HEAD_DIM, num_layers=layers, caption_channels=GEMMA["hidden"],
@@ -68,7 +69,11 @@ def connectors_config(generation: str) -> dict:
                 video_hidden_dim=VIDEO_HEADS * VIDEO_HEAD_DIM, audio_hidden_dim=AUDIO_HEADS * AUDIO_HEAD_DIM, proj_bias=True)
 
 
-def vae_config(generation: str) -> dict:
+def vae_config(generation: str, spatial: int = 32) -> dict:
+    """The video VAE: 8x in time, ``spatial`` (32 as released, or 16) in space, its patchify taking the
+    difference."""
+    if spatial not in (16, 32):
+        raise ValueError(f"spatial compression {spatial}: the tiny VAE compresses 16x or 32x")
     config = dict(
         in_channels=3, out_channels=3, latent_channels=LATENT, block_out_channels=(8, 16, 32, 64),
         decoder_block_out_channels=(16, 32, 64), layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1),
@@ -79,6 +84,7 @@ def vae_config(generation: str) -> dict:
         upsample_factor=(2, 2, 2), timestep_conditioning=False, patch_size=4, patch_size_t=1, encoder_causal=True,
         decoder_causal=False, encoder_spatial_padding_mode="zeros", decoder_spatial_padding_mode="reflect",
         spatial_compression_ratio=32, temporal_compression_ratio=8)
+    config.update(patch_size=spatial // 8, spatial_compression_ratio=spatial)
     if generation == "2.3":
         config.update(block_out_channels=(8, 16, 32, 32), decoder_block_out_channels=(16, 32, 32, 64),
                       decoder_layers_per_block=(1, 1, 1, 1, 1), decoder_spatio_temporal_scaling=(True, True, True, True),
@@ -143,11 +149,13 @@ def _fill_bwe_buffers(vocoder) -> None:
 
 
 def build_tiny_ltx2(directory: str | Path, generation: str = "2.0", seed: int = 0, layers: int = 2,
-                    upsampler: bool = True, fp8: bool = False) -> Path:
+                    upsampler: bool = True, fp8: bool = False, spatial: int = 32) -> Path:
     """Write a tiny random-weight LTX-``generation`` folder in diffusers format (``LTX2Pipeline``'s components)
     and return its path; with ``upsampler`` also its spatial latent upsampler in ``latent_upsampler/`` (as
     ``LTX2LatentUpsamplePipeline`` loads it). Weights are rounded so that bf16 and fp16 files hold them exactly; with
-    ``fp8`` every matrix is also an fp8 value times a power of two, so the fp8 export holds it exactly."""
+    ``fp8`` every matrix is also an fp8 value times a power of two, so the fp8 export holds it exactly. ``spatial``:
+    the video VAE's compression in space (32 as released; 16 for a model whose sizes diffusers still takes only
+    in multiples of 32)."""
     import torch
     from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
                            LTX2VideoTransformer3DModel)
@@ -166,7 +174,12 @@ def build_tiny_ltx2(directory: str | Path, generation: str = "2.0", seed: int = 
         with torch.no_grad():
             for name, p in module.named_parameters():
                 scale = strong_std if any(s in name for s in stronger) else std
-                p.copy_(exact(torch.randn_like(p) * scale, fp8))
+                noise = torch.randn_like(p) * scale
+                # The attention's q/k RMS-norm gains around 1, as a trained model's are: near 0 every score is
+                # near 0, the attention near uniform and blind to the positions (a RoPE 4e-3 rad off passed).
+                if name.endswith(("norm_q.weight", "norm_k.weight")):
+                    noise = 1.0 + noise
+                p.copy_(exact(noise, fp8))
         return module.eval()
 
     build_tokenizer(directory / "tokenizer")
@@ -176,11 +189,11 @@ def build_tiny_ltx2(directory: str | Path, generation: str = "2.0", seed: int = 
     # prompt must visibly change the video and the sound, or a test could not tell a wrong encoding from a right one.
     randomise(LTX2TextConnectors(**connectors_config(generation)), std=0.1, stronger=("proj_in",),
               strong_std=0.2).save_pretrained(directory / "connectors")
-    randomise(LTX2VideoTransformer3DModel(**transformer_config(generation, layers)), std=0.05,
+    randomise(LTX2VideoTransformer3DModel(**transformer_config(generation, layers, spatial)), std=0.05,
               stronger=("attn2.", "audio_attn2.", "caption_projection", "proj_in", "audio_proj_in", "to_gate_logits",
                         "audio_to_video_attn", "video_to_audio_attn"), strong_std=0.2).save_pretrained(
         directory / "transformer")
-    vae = randomise(AutoencoderKLLTX2Video(**vae_config(generation)), std=0.1, stronger=("encoder.",), strong_std=0.2)
+    vae = randomise(AutoencoderKLLTX2Video(**vae_config(generation, spatial)), std=0.1, stronger=("encoder.",), strong_std=0.2)
     with torch.no_grad():  # latent statistics away from (0, 1), so a missed normalisation shows
         vae.latents_mean.copy_(exact(torch.randn(LATENT) * 0.3, False))
         vae.latents_std.copy_(exact(0.5 + torch.rand(LATENT), False))
