@@ -35,6 +35,8 @@ class NativeArchitecture:
     layers_key: str = "num_layers"
     notes: str = ""
     channels_in: int | None = None  # the latents' channels as the model takes them (I2V: noise + mask + image)
+    text_encoder: str | None = None  # the text encoder (``COMPONENTS``) its graphs load, planned with it
+    vae: str | None = None  # the VAE (``COMPONENTS``) its graphs load, planned with it
 
     def build(self, layers: int | None = None, dtype=torch.bfloat16) -> torch.nn.Module:
         """ComfyUI's class at this size, on ``meta`` (``layers``: a reduced depth for a quick check)."""
@@ -96,6 +98,48 @@ class NativeArchitecture:
         return 1
 
 
+@dataclass(frozen=True)
+class NativeComponent:
+    """A text encoder or VAE of ComfyUI's at its released size, as its loaders build it (``comfy/sd.py``)."""
+
+    name: str
+    label: str
+    cls: str  # "module:Class" in ComfyUI
+    config: dict  # constructor arguments; a text model's: the name of ComfyUI's config file beside its class
+    kind: str  # "text" or "vae"
+    tokens: int = 0  # a text encoder: the padded prompt length ComfyUI's tokenizer gives
+    compression: tuple[int, int] = (1, 1)  # a VAE: frames per latent frame, pixels per latent pixel
+
+    def build(self, layers: int | None = None, dtype=torch.bfloat16) -> torch.nn.Module:
+        """The module on ``meta`` (``layers``: a text model at reduced depth); a VAE's whole ``first_stage_model``."""
+        import json
+
+        import comfy.ops
+
+        module_name, class_name = self.cls.split(":")
+        module = importlib.import_module(module_name)
+        cls = getattr(module, class_name)
+        if self.kind == "text":
+            config = json.loads((Path(module.__file__).parent / self.config["file"]).read_text())
+            if layers is not None:
+                config["num_layers"] = min(layers, config["num_layers"])
+            return cls(config, dtype, "meta", comfy.ops.disable_weight_init)
+        with torch.device("meta"):
+            return cls(**self.config).to(dtype)
+
+
+_WAN_VAE = dict(dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[], temperal_downsample=[False, True, True],
+                dropout=0.0)
+COMPONENTS: dict[str, NativeComponent] = {c.name: c for c in (
+    NativeComponent("umt5-xxl", "umT5-XXL", "comfy.text_encoders.t5:T5", {"file": "umt5_config_xxl.json"}, "text",
+                    tokens=512),
+    NativeComponent("wan2.1-vae", "Wan 2.1 VAE", "comfy.ldm.wan.vae:WanVAE", dict(dim=96, z_dim=16, **_WAN_VAE),
+                    "vae", compression=(4, 8)),
+    NativeComponent("wan2.2-vae", "Wan 2.2 VAE", "comfy.ldm.wan.vae2_2:WanVAE", dict(dim=160, z_dim=48, **_WAN_VAE),
+                    "vae", compression=(4, 16)),
+)}
+
+
 def _wan(dim: int, ffn: int, layers: int, model_type: str = "t2v", in_dim: int = 16, out_dim: int = 16, **extra):
     return dict(model_type=model_type, dim=dim, ffn_dim=ffn, num_heads=dim // 128, num_layers=layers, in_dim=in_dim,
                 out_dim=out_dim, text_dim=4096, freq_dim=256, **extra)
@@ -104,17 +148,20 @@ def _wan(dim: int, ffn: int, layers: int, model_type: str = "t2v", in_dim: int =
 WAN = "comfy.ldm.wan.model:WanModel"
 ARCHITECTURES: dict[str, NativeArchitecture] = {a.name: a for a in (
     NativeArchitecture("wan2.1-t2v-1.3b", WAN, _wan(1536, 8960, 30), 16, (4, 8), (480, 832, 81), (512, 4096),
-                       family="wan2.1-t2v-1.3b"),
+                       family="wan2.1-t2v-1.3b", text_encoder="umt5-xxl", vae="wan2.1-vae"),
     NativeArchitecture("wan2.1-t2v-14b", WAN, _wan(5120, 13824, 40), 16, (4, 8), (720, 1280, 81), (512, 4096),
-                       family="wan2.1-t2v-14b", notes="also each expert of Wan 2.2 T2V A14B"),
+                       family="wan2.1-t2v-14b", notes="also each expert of Wan 2.2 T2V A14B", text_encoder="umt5-xxl",
+                       vae="wan2.1-vae"),
     NativeArchitecture("wan2.1-i2v-14b", WAN, _wan(5120, 13824, 40, "i2v", in_dim=36), 16, (4, 8),
                        (720, 1280, 81), (512, 4096), extra=("clip_fea",), family="wan2.1-i2v-14b-720p",
-                       channels_in=36),
+                       channels_in=36, text_encoder="umt5-xxl", vae="wan2.1-vae"),
     NativeArchitecture("wan2.2-ti2v-5b", WAN, _wan(3072, 14336, 30, in_dim=48, out_dim=48), 48, (4, 16),
-                       (704, 1280, 121), (512, 4096), family="wan2.2-ti2v-5b"),
+                       (704, 1280, 121), (512, 4096), family="wan2.2-ti2v-5b", text_encoder="umt5-xxl",
+                       vae="wan2.2-vae"),
     NativeArchitecture("wan2.1-vace-14b", "comfy.ldm.wan.model:VaceWanModel",
                        {k: v for k, v in _wan(5120, 13824, 40, vace_layers=8, vace_in_dim=96).items()
-                        if k != "model_type"}, 16, (4, 8), (720, 1280, 81), (512, 4096), extra=("vace",)),
+                        if k != "model_type"}, 16, (4, 8), (720, 1280, 81), (512, 4096), extra=("vace",),
+                       text_encoder="umt5-xxl", vae="wan2.1-vae"),
     NativeArchitecture("hunyuanvideo", "comfy.ldm.hunyuan_video.model:HunyuanVideo",
                        dict(image_model="hunyuan_video", in_channels=16, out_channels=16, vec_in_dim=768,
                             context_in_dim=4096, hidden_size=3072, mlp_ratio=4.0, num_heads=24, depth=20,

@@ -88,6 +88,9 @@ class CompiledStages:
 
     def put(self, value, spec: tuple = ()):
         """CPU tensors onto this model's mesh, placed by ``spec`` (replicated by default)."""
+        if self.abstract:
+            raise RuntimeError(f"{self.label} is planned for devices this process cannot run on: it takes no "
+                               "inputs; compile its stage programs with plan, not the runtime")
         return self.runtime.put(value, self.runtime.sharding(self.mesh, spec))
 
     def traced(self, *patches: Callable[[], contextlib.AbstractContextManager]):

@@ -214,11 +214,15 @@ def _plan_native(args: argparse.Namespace) -> int:
     check_args(args)
     attention = AttentionConfig(impl=args.attention, block_q=args.block_q, block_kv=args.block_kv,
                                 block_kv_compute=args.block_kv_compute, exp2=args.exp2)
+    from .plan import STAGES
+
+    # every stage the architecture has unless --stages names some (the families' "image" has no native stage)
+    stages = None if args.stages == ",".join(STAGES) else tuple(s.strip() for s in args.stages.split(",") if s.strip())
     reports = []
     for topology in [parse_topology(t) for t in args.topology.split(",")]:
         report = plan_native(args.comfy_model, args.comfy, topology, height=args.height, width=args.width,
                              frames=args.frames, guidance=args.guidance, mesh=args.mesh, layers=args.layers,
-                             attention=attention, compare=not args.no_compare)
+                             attention=attention, compare=not args.no_compare, stages=stages)
         print(format_native_report(report), flush=True)
         reports.append(asdict(report))
         if args.json:

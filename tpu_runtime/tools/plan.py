@@ -547,7 +547,9 @@ def add_args(parser) -> None:
                         "reported as reduced depth)")
     parser.add_argument("--json", help="also write the report as JSON to this file")
     parser.add_argument("--comfy-model", help="plan ComfyUI's own model class as TPU Diffusion Model runs it "
-                        "(the native bridge) instead of --model: "
+                        "(the native bridge) instead of --model, with the text encoder and VAE its graphs load (Wan: "
+                        "umT5-XXL and the Wan VAE, as TPU Text Encoder and TPU VAE run them; --stages encode,sample,"
+                        "decode picks): "
                         + ", ".join(_native_names()))
     parser.add_argument("--comfy", metavar="COMFYUI_DIR", help="the ComfyUI folder whose model classes "
                         "--comfy-model compiles")

@@ -5,18 +5,19 @@ The model is ComfyUI's class at its released size, built on ``meta`` (``bridge/a
 are placed as shape structs by the bridge's rule tables (``bridge/rules.py``), the step is the very program the
 bridge compiles (``BridgedModule.program_function``: ComfyUI's ``_forward`` traced through torchax with the
 runtime's attention, splash on a TPU mesh), for the call a sampler makes with CFG (cond and uncond in one batch).
-When our own family has the same model, its step is planned on the same mesh and printed beside it.
+When our own family has the same model, its step is planned on the same mesh and printed beside it. With the
+``encode`` and ``decode`` stages, the text encoder and the VAE the model's graphs load (umT5-XXL and the Wan VAE for
+Wan) are planned too, as TPU Text Encoder and TPU VAE run them, each on the mesh its node picks: the whole graph's
+weights resident together, as ComfyUI holds them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import resource
 import time
 from dataclasses import dataclass, field
 
-from ..engine.sharding import parse_mesh
 from ..errors import InputError
 from .plan_compile import StageReport, _no_persistent_cache, compile_program, shard_bytes
 from .topology import GIB, Topology, parse_topology
@@ -44,68 +45,70 @@ class NativePlanReport:
     resident_weights_bytes_per_chip: int
     peak_bytes_per_chip: int
     step: StageReport
+    stages: dict = field(default_factory=dict)  # stage name -> {"describe", "mesh", "report": StageReport}
     family: dict = field(default_factory=dict)  # our family's step on the same mesh: model, mesh, StageReport
     seconds: float = 0.0
     host_peak_rss_bytes: int = 0
 
 
+NATIVE_STAGES = ("encode", "sample", "decode")
+
+
 def _native_program(arch, module, topo: Topology, mesh_text: str | None, cfg: bool, height, width, frames, attention):
     """(StageProgram, mesh spec, rules) of the bridged step on the topology's mesh."""
-    import jax
+    from ..bridge.planning import step_program
 
-    from ..bridge.calls import split_call
-    from ..bridge.comfy import comfy_attention
-    from ..bridge.program import BridgedModule
-    from ..bridge.rules import placement_specs, rules_for
-    from ..engine.attention import AttentionConfig
-    from ..engine.dtypes import jax_dtype
-    from ..engine.runtime import get_runtime
-    from ..engine.stages import StageProgram
-
-    runtime = get_runtime()
-    rules = rules_for(module)
-    devices = topo.devices()
-    spec = parse_mesh(mesh_text) or rules.auto_mesh(module, len(devices))
-    rules.check_mesh(module, spec, len(devices))
-    mesh = runtime.make_mesh(spec, devices)
-    bridged = BridgedModule(module=module, method=type(module)._forward, rules=rules,
-                            attention=attention or AttentionConfig(), label=type(module).__name__)
-    named = bridged._named()
-    specs = placement_specs({n: tuple(t.shape) for n, t in named}, rules, dict(mesh.shape))
-    structs: dict[int, object] = {}
-    state = {}
-    for name, tensor in named:
-        if id(tensor) not in structs:
-            structs[id(tensor)] = jax.ShapeDtypeStruct(tuple(tensor.shape), jax_dtype(tensor.dtype),
-                                                       sharding=runtime.sharding(mesh, specs[name]))
-        state[name] = structs[id(tensor)]
-    batch = 2 if cfg else 1
-    args, kwargs = arch.example_call(batch, height, width, frames)
-    positional, keyword, options = bridged._arguments(args, kwargs)
-    options = {"optimized_attention_override": comfy_attention, **(options or {})}
-    call = split_call((positional, keyword))
-    dp = mesh.shape["dp"]
-    leaves = [jax.ShapeDtypeStruct(tuple(t.shape), jax_dtype(t.dtype), sharding=runtime.sharding(
-        mesh, ("dp",) if dp > 1 and t.ndim >= 1 and t.shape[0] % dp == 0 else ())) for t in call.leaves]
-    fn, _, _ = bridged.program_function(call, options, mesh)
-    t, s = arch.compression
     describe = (f"ComfyUI {type(module).__name__} step at {width}x{height}x{frames} "
                 f"({'CFG batch of 2' if cfg else 'batch 1'})")
-    program = StageProgram(stage="sample", fn=fn, example=(state, leaves), key=("native", arch.name),
-                           describe=describe, scope=contextlib.nullcontext, components=("diffusion_model",))
-    return program, spec, rules
+    planned = step_program(module, arch.example_call(2 if cfg else 1, height, width, frames), topo.devices(),
+                           mesh_text, attention, describe)
+    from ..bridge.rules import rules_for
+
+    return planned.stage_program(("native", arch.name)), planned.mesh, rules_for(module)
+
+
+def _component_programs(arch, stage: str, topo: Topology, height: int, width: int, frames: int, attention,
+                        layers: int | None) -> list:
+    """The text encoder's (``encode``) or the VAE decoder's (``decode``) programs, on the mesh its node's ``auto``
+    picks."""
+    from ..bridge.architectures import COMPONENTS
+    from ..bridge.planning import decode_programs, text_program
+
+    if stage == "encode":
+        c = COMPONENTS[arch.text_encoder]
+        module = c.build(layers=layers)
+        return [text_program(module, c.tokens, topo.devices(), None, attention,
+                             f"ComfyUI {c.label} ({type(module).__name__}), one prompt of {c.tokens} tokens")]
+    c = COMPONENTS[arch.vae]
+    t, s = c.compression
+    latent = (1, c.config["z_dim"], 1, height // s, width // s)
+    return decode_programs(c.build().decoder, latent, topo.devices(), None, attention,
+                           f"ComfyUI {c.label} decode at {width}x{height}x{frames}")
 
 
 def plan_native(name: str, comfy_dir: str | None, topology: str | Topology, *, height: int | None = None,
                 width: int | None = None, frames: int | None = None, guidance: float | None = None,
                 mesh: str | None = None, layers: int | None = None, attention=None,
-                compare: bool = True) -> NativePlanReport:
-    """Compile ComfyUI's ``name`` step for ``topology`` (and our family's on the same mesh when ``compare``)."""
+                compare: bool = True, stages: tuple[str, ...] | None = ("sample",)) -> NativePlanReport:
+    """Compile ComfyUI's ``name`` step for ``topology`` (and our family's on the same mesh when ``compare``); with
+    ``stages`` ``encode`` / ``decode``, its text encoder and VAE as well (``--mesh`` is the diffusion model's; the
+    text encoder and the VAE take their nodes' ``auto``; ``layers`` also cuts the text encoder's depth; ``None``:
+    every stage the architecture has)."""
     from ..bridge.architectures import architecture, parameter_count, use_comfyui
     from ..engine.runtime import get_runtime
 
     start = time.perf_counter()
     arch = architecture(name)
+    if stages is None:
+        stages = tuple(s for s, c in (("encode", arch.text_encoder), ("sample", arch), ("decode", arch.vae)) if c)
+    unknown = [s for s in stages if s not in NATIVE_STAGES]
+    if unknown or not stages:
+        raise InputError(f"--stages {','.join(stages) or 'none'}: plan --comfy-model takes "
+                         f"{', '.join(NATIVE_STAGES)}")
+    missing = [s for s, c in (("encode", arch.text_encoder), ("decode", arch.vae)) if s in stages and c is None]
+    if missing:
+        raise InputError(f"--stages {','.join(missing)}: the text encoder and VAE of {arch.name} are not planned yet "
+                         f"(Wan's are: umT5-XXL and the Wan VAEs); use --stages sample")
     topo = topology if isinstance(topology, Topology) else parse_topology(topology)
     nh, nw, nf = arch.size
     height, width, frames = height or nh, width or nw, frames or nf
@@ -113,19 +116,32 @@ def plan_native(name: str, comfy_dir: str | None, topology: str | Topology, *, h
     cfg = guidance is None or guidance > 1.0
     use_comfyui(comfy_dir)
     get_runtime()
-    module = arch.build(layers=layers)
-    program, spec, rules = _native_program(arch, module, topo, mesh, cfg, height, width, frames, attention)
+    planned: dict[str, dict] = {}
+    weights_by_component: dict[str, int] = {}
     with _no_persistent_cache():
-        step = compile_program(program, topo)
-    weights = shard_bytes(program.example[0])
-    beside = max(0, step.total_bytes_per_chip - step.weights_bytes_per_chip)
+        for stage in [s for s in NATIVE_STAGES if s in stages and s != "sample"]:
+            for p in _component_programs(arch, stage, topo, height, width, frames, attention, layers):
+                planned[p.name] = {"describe": p.describe, "mesh": str(p.mesh),
+                                   "report": compile_program(p.stage_program(("native", arch.name, p.name)), topo)}
+                weights_by_component[p.component] = shard_bytes(p.weights)
+        module = arch.build(layers=layers)
+        program, spec, rules = _native_program(arch, module, topo, mesh, cfg, height, width, frames, attention)
+        step = compile_program(program, topo) if "sample" in stages else None
+    if step is not None:
+        planned["sample"] = {"describe": program.describe, "mesh": str(spec), "report": step}
+        weights_by_component["diffusion_model"] = shard_bytes(program.example[0])
+    weights = sum(weights_by_component.values())
+    beside = max((max(0, p["report"].total_bytes_per_chip - p["report"].weights_bytes_per_chip)
+                  for p in planned.values()), default=0)
+    compiled = all(p["report"].compiled for p in planned.values())
     report = NativePlanReport(
         model=arch.name, comfy_class=arch.cls, rules=rules.describe(), parameters=parameter_count(module),
         topology=topo.name, chips=topo.chips, chip_hbm_bytes=topo.hbm_bytes, devices_per_chip=topo.devices_per_chip,
         height=height, width=width, frames=frames, cfg=cfg, layers=layers, mesh=str(spec),
-        fits=step.compiled and weights + beside <= topo.hbm_bytes, resident_weights_bytes_per_chip=weights,
-        peak_bytes_per_chip=weights + beside, step=step)
-    if compare and arch.family:
+        fits=compiled and weights + beside <= topo.hbm_bytes, resident_weights_bytes_per_chip=weights,
+        peak_bytes_per_chip=weights + beside, step=step or StageReport(compiled=False, describe="not planned"),
+        stages=planned)
+    if compare and arch.family and step is not None:
         from .plan import ModelSource, plan
 
         family = plan(ModelSource(arch.family), topo, height=height, width=width, frames=frames,
@@ -160,18 +176,22 @@ def format_native_report(r: NativePlanReport) -> str:
                 f"{s.all_reduces:>9}{s.all_gathers:>9}{s.reduce_scatters:>8}{s.all_to_alls:>9}"
                 f"{s.collective_permutes:>9}{s.mosaic_kernels:>8}{s.compile_seconds:>11.1f}")
 
-    lines.append(row("ComfyUI (bridge)", r.step))
-    if r.step.error:
-        lines.append(f"           {r.step.error}")
+    for name, stage in r.stages.items():
+        label = "ComfyUI (bridge)" if name == "sample" else name
+        lines.append(row(label, stage["report"]))
+        if stage["report"].error:
+            lines.append(f"           {stage['report'].error}")
     if r.family:
         f = r.family
         lines.append(row(f"our family ({f['model']})", f["step"]))
         if r.step.compiled and f["step"].compiled and f["step"].total_bytes_per_chip:
             ratio = r.step.total_bytes_per_chip / f["step"].total_bytes_per_chip
             lines.append(f"  bridge / family per-{unit} memory: {ratio:.3f}")
+    if len(r.stages) > 1:
+        lines.append("  stages: " + "; ".join(f"{n}: {s['describe']}, mesh {s['mesh']}" for n, s in r.stages.items()))
     verdict = "FITS" if r.fits else "DOES NOT FIT"
     lines.append(f"  verdict: {verdict}: peak {_gib(r.peak_bytes_per_chip)} of {_gib(r.chip_hbm_bytes)} GiB per {unit} "
-                 f"(weights {_gib(r.resident_weights_bytes_per_chip)} GiB resident + the step's activations)")
+                 f"(weights {_gib(r.resident_weights_bytes_per_chip)} GiB resident + the largest stage's activations)")
     lines.append(f"  planned in {r.seconds:.0f} s on this machine (peak host memory "
                  f"{r.host_peak_rss_bytes / GIB:.1f} GiB); run times need the real slice")
     return "\n".join(lines)

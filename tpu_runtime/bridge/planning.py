@@ -1,0 +1,165 @@
+"""The native bridge's programs for a mesh of devices this machine may not have (``plan --comfy-model``).
+
+Each function builds the ``BridgedModule`` the TPU node would build for a ComfyUI module (at its released size, on
+``meta``), gives it the slice's mesh, and returns the very programs it would compile — ComfyUI's own code traced
+through torchax — with their weights and inputs as shape structs placed as the bridge places them, ready for
+``plan``'s compiler (``tools/plan_compile.compile_program``):
+
+- ``step_program``: the diffusion model's ``_forward`` for the call a sampler makes (TPU Diffusion Model);
+- ``text_program``: a text model's ``forward`` for one padded prompt, with the embeddings ComfyUI looks up on the
+  host (TPU Text Encoder);
+- ``decode_programs``: a causal video VAE's decoder as its two programs, the first latent frame and every later
+  one, the convolution caches carried between them in their steady form (TPU VAE).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.attention import AttentionConfig
+from ..engine.sharding import MeshSpec, parse_mesh
+from .calls import DeviceValue, split_call
+from .comfy import comfy_attention, comfy_attention_on_runtime
+from .program import BridgedModule, _lists_of
+from .rules import placement_specs, rules_for, text_rules_for
+from .text import embedding_weights
+from .vae import VAE_RULES, CausalFrameCache, frame_spec
+
+
+@dataclass
+class PlannedProgram:
+    """A bridged program for ``plan``: what ``StageProgram`` needs, and the mesh it was placed on."""
+
+    name: str
+    fn: object
+    weights: dict
+    inputs: list
+    mesh: MeshSpec
+    describe: str
+    component: str
+
+    def stage_program(self, key):
+        from ..engine.stages import StageProgram
+
+        return StageProgram(stage=self.name, fn=self.fn, example=(self.weights, self.inputs), key=key,
+                            describe=self.describe, scope=contextlib.nullcontext, components=(self.component,))
+
+
+def _on_mesh(bridged: BridgedModule, mesh_text: str | None, devices: list) -> MeshSpec:
+    """Put ``bridged`` on a mesh of ``devices`` (the node's ``auto`` unless ``mesh_text``), checked as the node
+    checks it."""
+    from ..engine.runtime import get_runtime
+
+    spec = parse_mesh(mesh_text) or bridged.rules.auto_mesh(bridged.module, len(devices))
+    bridged.rules.check_mesh(bridged.module, spec, len(devices))
+    bridged._mesh = get_runtime().make_mesh(spec, devices)
+    return spec
+
+
+def abstract_weights(bridged: BridgedModule) -> dict:
+    """Every weight the bridge places, as a shape struct with the sharding its rules give it on the module's mesh
+    (a tensor shared by two names is one struct)."""
+    import jax
+
+    from ..engine.dtypes import jax_dtype
+    from ..engine.runtime import get_runtime
+
+    runtime, mesh = get_runtime(), bridged.mesh
+    named = bridged._named()
+    specs = placement_specs({n: tuple(t.shape) for n, t in named}, bridged.rules, dict(mesh.shape), bridged.label)
+    structs: dict[int, object] = {}
+    state = {}
+    for name, tensor in named:
+        if id(tensor) not in structs:
+            structs[id(tensor)] = jax.ShapeDtypeStruct(tuple(tensor.shape), jax_dtype(tensor.dtype),
+                                                       sharding=runtime.sharding(mesh, specs[name]))
+        state[name] = structs[id(tensor)]
+    return state
+
+
+def step_program(module: torch.nn.Module, call: tuple, devices: list, mesh_text: str | None,
+                 attention: AttentionConfig | None, describe: str) -> PlannedProgram:
+    """The diffusion model's step for ``call`` (``(args, kwargs)`` of ``_forward``, meta tensors) as TPU Diffusion
+    Model runs it: ComfyUI's attention override set to the runtime's, a leading batch dp divides split over dp."""
+    bridged = BridgedModule(module=module, method=type(module)._forward, rules=rules_for(module),
+                            attention=attention or AttentionConfig(), label=type(module).__name__)
+    spec = _on_mesh(bridged, mesh_text, devices)
+    weights = abstract_weights(bridged)
+    positional, keyword, options = bridged._arguments(*call)
+    options = {"optimized_attention_override": comfy_attention, **(options or {})}
+    split = split_call((positional, keyword))
+    fn, _, _ = bridged.program_function(split, options, bridged.mesh)
+    return PlannedProgram("sample", fn, weights, bridged._abstract_inputs(split), spec, describe, "diffusion_model")
+
+
+def text_program(module: torch.nn.Module, tokens: int, devices: list, mesh_text: str | None,
+                 attention: AttentionConfig | None, describe: str) -> PlannedProgram:
+    """A text model's ``forward`` (ComfyUI's T5, LLaMA, ...) for one prompt padded to ``tokens``, called as
+    ComfyUI's ``SDClipModel`` calls it: the embeddings looked up on the host (the embedding matrix stays there),
+    the attention mask, the token count."""
+    bridged = BridgedModule(module=module, method=type(module).forward, rules=text_rules_for(module),
+                            attention=attention or AttentionConfig(), options_arg=None,
+                            recorded_args=("num_tokens",), trace_context=lambda: comfy_attention_on_runtime(module),
+                            skip_weights=embedding_weights(module), label=type(module).__name__)
+    spec = _on_mesh(bridged, mesh_text, devices)
+    weights = abstract_weights(bridged)
+    width = module.get_input_embeddings().weight.shape[1]
+    mask = torch.empty(1, tokens, dtype=torch.int64, device="meta")
+    embeds = torch.empty(1, tokens, width, dtype=torch.float32, device="meta")
+    positional, keyword, _ = bridged._arguments(
+        (None, mask), {"embeds": embeds, "num_tokens": [tokens], "intermediate_output": None,
+                       "final_layer_norm_intermediate": True, "dtype": torch.float32, "embeds_info": []})
+    recorded = {name: keyword.pop(name) for name in bridged.recorded_args if isinstance(keyword.get(name), list)}
+    split = split_call((positional, keyword))
+    fn, _, _ = bridged.program_function(split, None, bridged.mesh, recorded)
+    return PlannedProgram("encode", fn, weights, bridged._abstract_inputs(split), spec, describe, "text_encoder")
+
+
+def decode_programs(decoder: torch.nn.Module, latent: tuple[int, ...], devices: list, mesh_text: str | None,
+                    attention: AttentionConfig | None, describe: str) -> list[PlannedProgram]:
+    """A causal VAE decoder (ComfyUI's Wan VAEs: one latent frame a call, a list of causal-convolution caches carried
+    between calls) as TPU VAE runs it: the first frame's program, which leaves the caches in their steady form,
+    and the program of every later frame, which takes them; frames split over the mesh along their width."""
+    import jax
+
+    from ..engine.runtime import get_runtime, tracing
+
+    first_chunk = "first_chunk" in type(decoder).forward.__code__.co_varnames
+    bridged = BridgedModule(module=decoder, method=type(decoder).forward, rules=VAE_RULES,
+                            attention=attention or AttentionConfig(), options_arg=None, mutable_lists=True,
+                            settle=CausalFrameCache(), input_spec=frame_spec,
+                            trace_context=lambda: comfy_attention_on_runtime(decoder), label=type(decoder).__name__)
+    spec = _on_mesh(bridged, mesh_text, devices)
+    weights = abstract_weights(bridged)
+    slots = sum(1 for m in decoder.modules() if type(m).__name__ == "CausalConv3d")
+    x = torch.empty(*latent, dtype=next(decoder.parameters()).dtype, device="meta")
+    keyword = {"feat_cache": [None] * slots, "feat_idx": [0], **({"first_chunk": True} if first_chunk else {})}
+    positional, keyword, _ = bridged._arguments((x,), keyword)
+    first = split_call((positional, keyword))
+    plan = bridged._settle_plan(first, None, {}, weights, positional, keyword)
+    fn, _, layouts = bridged.program_function(first, None, bridged.mesh, {}, plan)
+    first_inputs = bridged._abstract_inputs(first)
+    with tracing():
+        _, arrays = jax.eval_shape(fn, weights, first_inputs)
+    cache_index = next(i for i, values in enumerate(_lists_of(positional, keyword)) if values is keyword["feat_cache"])
+    runtime, mesh = get_runtime(), bridged.mesh
+
+    def carried(kind, ref):
+        if kind != "array":
+            return ref
+        a = arrays[ref]
+        return DeviceValue(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=runtime.sharding(
+            mesh, bridged._spec(tuple(a.shape), mesh))))
+
+    caches = [carried(kind, ref) for kind, ref in layouts[cache_index]]
+    later_keyword = {k: v for k, v in keyword.items() if k != "first_chunk"}
+    later_keyword.update(feat_cache=caches, feat_idx=[0])
+    later = split_call((positional, later_keyword))
+    later_fn, _, _ = bridged.program_function(later, None, mesh, {}, None)
+    return [PlannedProgram("decode_first", fn, weights, first_inputs, spec, f"{describe}: the first latent frame",
+                           "vae"),
+            PlannedProgram("decode_later", later_fn, weights, bridged._abstract_inputs(later), spec,
+                           f"{describe}: every later latent frame, the caches carried on the devices", "vae")]
