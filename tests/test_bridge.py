@@ -373,3 +373,19 @@ def test_unload_models_releases_the_device_copy(pack, files):
     assert bridged(on_tpu).state is None
     assert relative(sample(on_tpu, LATENT, positive, negative), first) < 1e-6  # placed again when used
     assert bridged(on_tpu).stats.programs == 1
+
+
+def test_bench_times_the_three_stages_with_and_without_the_nodes(pack):
+    """``bench --comfy-native``: a native Wan workflow's text encode, sampling and VAE decode, each natively and
+    through its TPU node in one process; the first run of each compiles, later ones (a new seed, prompt or
+    latents) compile nothing."""
+    from tpu_runtime.tools.bench_native import bench_native, print_native_table
+
+    r = bench_native(None, height=32, width=32, frames=5, steps=2, repeats=1, dim=128, layers=1, text_tokens=16)
+    assert r["xla_compiles_per_generation"][0] >= 1 and r["xla_compiles_per_generation"][1:] == [0]
+    assert r["per_call_ms"]["calls"] == 2 and r["per_call_ms"]["program"] > 0
+    for stage in ("text_encode", "vae_decode"):
+        compiles = r[stage]["xla_compiles_per_run"]
+        assert compiles[0] >= 1 and compiles[1:] == [0], (stage, compiles)
+        assert r[stage]["native_s"]["warm"] > 0 and r[stage]["bridged_s"]["warm"] > 0
+    print_native_table(r)

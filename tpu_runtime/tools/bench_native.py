@@ -1,11 +1,13 @@
-"""``bench --comfy-native``: ComfyUI's own sampling of its own Wan model, natively and through TPU Diffusion Model,
-in one process on the same weights.
+"""``bench --comfy-native``: a native Wan workflow's three stages — ComfyUI's own text encode (umT5), sampling
+(WanModel) and VAE decode (the Wan 2.1 VAE) — natively and through TPU Text Encoder, TPU Diffusion Model and TPU
+VAE, in one process on the same weights.
 
 Reports wall times per generation (cold: the first, with its compiles; warm: a new seed), the XLA compiles each
 generation ran, and per model call the time outside the compiled program (splitting the call, copying latents and
 conditioning to the devices and the result back, dispatch) against the program's own run time. Without
 ``--comfy-file`` a tiny random-weight Wan file is built on the spot: the numbers measure the bridge's overheads
-and compiles, not a real model's speed.
+and compiles, not a real model's speed. The text encoder (umT5 at 4 layers of width 64) and the VAE (the Wan 2.1
+VAE's layers at ``vae_width`` base channels) are tiny random-weight ones too, built with ComfyUI's own classes.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 def bench_native(comfy_dir: str | None, model_file: str | None = None, *, height: int = 64, width: int = 64,
                  frames: int = 9, steps: int = 8, cfg: float = 5.0, repeats: int = 2, text_tokens: int = 512,
-                 dim: int = 256, layers: int = 4) -> dict:
+                 dim: int = 256, layers: int = 4, text_and_vae: bool = True) -> dict:
     import torch
 
     from ..bridge.architectures import use_comfyui
@@ -65,7 +67,8 @@ def bench_native(comfy_dir: str | None, model_file: str | None = None, *, height
         compiles.append(compile_stats().since(before).xla_compiles)
     s = bridged.stats
     calls = max(s.calls, 1)
-    return {
+    stages = bench_text_and_vae(tuple(latent.shape), repeats) if text_and_vae else {}
+    return {**stages,
         "machine": _machine(runtime), "model": label, "size": f"{width}x{height}x{frames}", "steps": steps,
         "cfg": cfg, "text_tokens": text_tokens,
         "native_s": {"cold": native[0], "warm": statistics.median(native[1:])},
@@ -77,6 +80,50 @@ def bench_native(comfy_dir: str | None, model_file: str | None = None, *, height
                         "to_host": 1e3 * s.to_host_seconds / calls,
                         "outside_program": 1e3 * (s.call_seconds - s.run_seconds) / calls},
     }
+
+
+def _stage(run, native, on_runtime, repeats: int) -> dict:
+    """``run(obj, i)`` timed on the native object and on the runtime's copy; compiles counted per run."""
+    from ..engine.runtime import compile_stats
+
+    def timed(obj, i):
+        start = time.perf_counter()
+        run(obj, i)
+        return time.perf_counter() - start
+
+    natively = [timed(native, i) for i in range(repeats + 1)]
+    runs, compiles = [], []
+    for i in range(repeats + 1):
+        before = compile_stats()
+        runs.append(timed(on_runtime, i))
+        compiles.append(compile_stats().since(before).xla_compiles)
+    return {"native_s": {"cold": natively[0], "warm": statistics.median(natively[1:])},
+            "bridged_s": {"cold": runs[0], "warm": statistics.median(runs[1:])}, "xla_compiles_per_run": compiles}
+
+
+def bench_text_and_vae(latent_shape: tuple[int, ...], repeats: int = 2, vae_width: int = 8) -> dict:
+    """The text encode (a new prompt each run) and the VAE decode of ``latent_shape`` latents (new latents each run),
+    natively and through TPU Text Encoder and TPU VAE."""
+    import torch
+
+    from ..bridge.comfy import BridgeSettings
+    from ..bridge.text import text_encoder_on_runtime
+    from ..bridge.tiny import tiny_text_encoder, tiny_vae
+    from ..bridge.vae import vae_on_runtime
+
+    clip = tiny_text_encoder("umt5", seed=1, layers=4)
+    prompts = ["a red fox running through snow", "a lighthouse at dusk, waves", "a cat on a piano, close-up"]
+
+    def encode(c, i):  # what CLIPTextEncode does
+        c.encode_from_tokens_scheduled(c.tokenize(prompts[i % len(prompts)]))
+
+    vae = tiny_vae("wan2.1", width=vae_width)
+
+    def decode(v, i):  # what VAEDecode does
+        v.decode(torch.randn(latent_shape, generator=torch.Generator().manual_seed(i)))
+
+    return {"text_encode": _stage(encode, clip, text_encoder_on_runtime(clip, BridgeSettings()), repeats),
+            "vae_decode": _stage(decode, vae, vae_on_runtime(vae, BridgeSettings()), repeats)}
 
 
 def print_native_table(r: dict) -> None:
@@ -93,3 +140,9 @@ def print_native_table(r: dict) -> None:
     print(f"  per model call (warm, {c['calls']} calls): {c['whole']:.2f} ms in all, the program "
           f"{c['program']:.2f} ms, outside it {c['outside_program']:.2f} ms (to the devices {c['to_device']:.2f}, "
           f"back {c['to_host']:.2f}, the rest splitting the call and dispatch)")
+    for name, label in (("text_encode", "text encode (umT5, tiny)"), ("vae_decode", "VAE decode (Wan 2.1, tiny)")):
+        s = r.get(name)
+        if s:
+            print(f"  {label:<28}native {s['native_s']['cold']:.2f} / {s['native_s']['warm']:.2f} s, TPU node "
+                  f"{s['bridged_s']['cold']:.2f} / {s['bridged_s']['warm']:.2f} s (cold / warm); XLA compiles per "
+                  f"run {s['xla_compiles_per_run']}")
