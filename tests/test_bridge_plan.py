@@ -102,6 +102,8 @@ def test_bad_plan_input_is_refused_before_compiling(comfy):
         plan_native("wan2.1-t2v-14b", None, "v6e-8", frames=80)
     with pytest.raises(InputError, match="tp=8 does not divide WanModel's 12 attention heads"):
         plan_native("wan2.1-t2v-1.3b", None, "v6e-8", mesh="dp=1,sp=1,tp=8")
+    with pytest.raises(InputError, match="tp=8 does not divide"):  # before the text encoder and VAE compile
+        plan_native("wan2.1-t2v-1.3b", None, "v6e-8", mesh="dp=1,sp=1,tp=8", stages=None)
     with pytest.raises(InputError, match="uses 3 devices but 8 are available"):
         plan_native("wan2.1-t2v-14b", None, "v6e-8", mesh="dp=1,sp=1,tp=3")
     with pytest.raises(InputError, match="takes encode, sample, decode"):

@@ -118,14 +118,16 @@ def plan_native(name: str, comfy_dir: str | None, topology: str | Topology, *, h
     get_runtime()
     planned: dict[str, dict] = {}
     weights_by_component: dict[str, int] = {}
+    module = arch.build(layers=layers)
+    # built (and its mesh checked) before anything compiles: a wrong --mesh is refused at once
+    program, spec, rules = _native_program(arch, module, topo, mesh, cfg, height, width, frames, attention)
+    components = [p for stage in NATIVE_STAGES if stage in stages and stage != "sample"
+                  for p in _component_programs(arch, stage, topo, height, width, frames, attention, layers)]
     with _no_persistent_cache():
-        for stage in [s for s in NATIVE_STAGES if s in stages and s != "sample"]:
-            for p in _component_programs(arch, stage, topo, height, width, frames, attention, layers):
-                planned[p.name] = {"describe": p.describe, "mesh": str(p.mesh),
-                                   "report": compile_program(p.stage_program(("native", arch.name, p.name)), topo)}
-                weights_by_component[p.component] = shard_bytes(p.weights)
-        module = arch.build(layers=layers)
-        program, spec, rules = _native_program(arch, module, topo, mesh, cfg, height, width, frames, attention)
+        for p in components:
+            planned[p.name] = {"describe": p.describe, "mesh": str(p.mesh),
+                               "report": compile_program(p.stage_program(("native", arch.name, p.name)), topo)}
+            weights_by_component[p.component] = shard_bytes(p.weights)
         step = compile_program(program, topo) if "sample" in stages else None
     if step is not None:
         planned["sample"] = {"describe": program.describe, "mesh": str(spec), "report": step}
