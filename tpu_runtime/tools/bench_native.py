@@ -25,7 +25,7 @@ def bench_native(comfy_dir: str | None, model_file: str | None = None, *, height
 
     from ..bridge.architectures import use_comfyui
     from ..bridge.comfy import BridgeSettings, diffusion_model_on_runtime
-    from ..engine.runtime import compile_stats, get_runtime
+    from ..engine.runtime import compile_stats, get_runtime, runtime_started
     from .bench import _machine
 
     use_comfyui(comfy_dir)
@@ -33,7 +33,8 @@ def bench_native(comfy_dir: str | None, model_file: str | None = None, *, height
     import comfy.sd
 
     work = Path(tempfile.mkdtemp(prefix="tpu_video_bench_native_"))
-    runtime = get_runtime(cache_dir=work / "xla_cache")  # cold means compiled here
+    # cold means compiled here: a fresh compilation cache, unless this process already runs the runtime (it has one)
+    runtime = get_runtime() if runtime_started() else get_runtime(cache_dir=work / "xla_cache")
     if model_file is None:
         from ..bridge.tiny import save_diffusion_model, tiny_wan
 
@@ -82,8 +83,9 @@ def bench_native(comfy_dir: str | None, model_file: str | None = None, *, height
     }
 
 
-def _stage(run, native, on_runtime, repeats: int) -> dict:
-    """``run(obj, i)`` timed on the native object and on the runtime's copy; compiles counted per run."""
+def _stage(run, native, on_runtime, repeats: int, bridged) -> dict:
+    """``run(obj, i)`` timed on the native object and on the runtime's copy; compiles counted per run, and the
+    programs the copy's bridged modules (``bridged()``) hold after each run."""
     from ..engine.runtime import compile_stats
 
     def timed(obj, i):
@@ -92,13 +94,15 @@ def _stage(run, native, on_runtime, repeats: int) -> dict:
         return time.perf_counter() - start
 
     natively = [timed(native, i) for i in range(repeats + 1)]
-    runs, compiles = [], []
+    runs, compiles, programs = [], [], []
     for i in range(repeats + 1):
         before = compile_stats()
         runs.append(timed(on_runtime, i))
         compiles.append(compile_stats().since(before).xla_compiles)
+        programs.append(sum(b.program_count for b in bridged(on_runtime).values()))
     return {"native_s": {"cold": natively[0], "warm": statistics.median(natively[1:])},
-            "bridged_s": {"cold": runs[0], "warm": statistics.median(runs[1:])}, "xla_compiles_per_run": compiles}
+            "bridged_s": {"cold": runs[0], "warm": statistics.median(runs[1:])}, "xla_compiles_per_run": compiles,
+            "programs_after_each_run": programs}
 
 
 def bench_text_and_vae(latent_shape: tuple[int, ...], repeats: int = 2, vae_width: int = 8) -> dict:
@@ -107,9 +111,9 @@ def bench_text_and_vae(latent_shape: tuple[int, ...], repeats: int = 2, vae_widt
     import torch
 
     from ..bridge.comfy import BridgeSettings
-    from ..bridge.text import text_encoder_on_runtime
+    from ..bridge.text import bridged_text_models, text_encoder_on_runtime
     from ..bridge.tiny import tiny_text_encoder, tiny_vae
-    from ..bridge.vae import vae_on_runtime
+    from ..bridge.vae import bridged_parts, vae_on_runtime
 
     clip = tiny_text_encoder("umt5", seed=1, layers=4)
     prompts = ["a red fox running through snow", "a lighthouse at dusk, waves", "a cat on a piano, close-up"]
@@ -122,8 +126,9 @@ def bench_text_and_vae(latent_shape: tuple[int, ...], repeats: int = 2, vae_widt
     def decode(v, i):  # what VAEDecode does
         v.decode(torch.randn(latent_shape, generator=torch.Generator().manual_seed(i)))
 
-    return {"text_encode": _stage(encode, clip, text_encoder_on_runtime(clip, BridgeSettings()), repeats),
-            "vae_decode": _stage(decode, vae, vae_on_runtime(vae, BridgeSettings()), repeats)}
+    return {"text_encode": _stage(encode, clip, text_encoder_on_runtime(clip, BridgeSettings()), repeats,
+                                  bridged_text_models),
+            "vae_decode": _stage(decode, vae, vae_on_runtime(vae, BridgeSettings()), repeats, bridged_parts)}
 
 
 def print_native_table(r: dict) -> None:
@@ -145,4 +150,4 @@ def print_native_table(r: dict) -> None:
         if s:
             print(f"  {label:<28}native {s['native_s']['cold']:.2f} / {s['native_s']['warm']:.2f} s, TPU node "
                   f"{s['bridged_s']['cold']:.2f} / {s['bridged_s']['warm']:.2f} s (cold / warm); XLA compiles per "
-                  f"run {s['xla_compiles_per_run']}")
+                  f"run {s['xla_compiles_per_run']}, programs {s['programs_after_each_run'][-1]}")
