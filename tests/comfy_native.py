@@ -1,7 +1,11 @@
-"""ComfyUI's own code in the tests: a session that imports the pinned ComfyUI checkout, and tiny random-weight
+"""ComfyUI's own code in the tests: a session that imports a pinned ComfyUI checkout, and tiny random-weight
 models built with ComfyUI's own classes and saved as the single files its loaders detect.
 
-ComfyUI is at ``$TPU_VIDEO_COMFYUI`` or ``../shared/comfyui`` beside this checkout. The rest of the suite keeps
+Two ComfyUI versions are tested: the trees ``../shared/comfyui`` (0.3.64) and ``../shared/comfyui-0.33`` (0.33.0)
+beside this checkout (``COMFYUI_TREES``), or the one tree ``$TPU_VIDEO_COMFYUI`` names. ``COMFYUI`` is the default
+tree of a session (``$TPU_VIDEO_COMFYUI`` or ``../shared/comfyui``). Tests that take the ``comfy`` fixture
+(conftest.py) run once per tree; ``@pytest.mark.comfy_versions("0.33")`` keeps a test to the trees it names. The
+rest of the suite keeps
 ComfyUI out (``conftest._NoComfyUI``) and puts stand-ins into ``sys.modules``; ``comfyui_session`` sets those
 aside, imports the real modules (ComfyUI's ``nodes.py`` as ``nodes``, so its node classes can be used) and puts
 everything back afterwards. Our pack is imported the way ComfyUI imports a custom node: as a package of its own
@@ -22,11 +26,52 @@ from tpu_runtime.bridge.tiny import random_state as randomise  # noqa: F401 - th
 from tpu_runtime.bridge.tiny import save_diffusion_model, tiny_wan  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
-COMFYUI = Path(os.environ.get("TPU_VIDEO_COMFYUI") or ROOT.parent / "shared" / "comfyui").resolve()
+COMFYUI_ENV = "TPU_VIDEO_COMFYUI"
+SHARED = ROOT.parent / "shared"
+COMFYUI = Path(os.environ.get(COMFYUI_ENV) or SHARED / "comfyui").resolve()
+
+
+def comfyui_version(tree: Path) -> str:
+    """The ComfyUI version of a checkout (its ``comfyui_version.py``), e.g. "0.33.0"."""
+    text = (Path(tree) / "comfyui_version.py").read_text()
+    for line in text.splitlines():
+        if line.startswith("__version__"):
+            return line.split("=", 1)[1].strip().strip("\"'")
+    raise RuntimeError(f"{tree} has no __version__ in comfyui_version.py")
+
+
+def _trees() -> dict[str, Path]:
+    if os.environ.get(COMFYUI_ENV):
+        return {comfyui_version(COMFYUI): COMFYUI}
+    found = {}
+    for name in ("comfyui", "comfyui-0.33"):
+        tree = (SHARED / name).resolve()
+        if (tree / "comfy" / "sd.py").is_file():
+            found[comfyui_version(tree)] = tree
+    return found or {"missing": COMFYUI}
+
+
+#: version -> ComfyUI tree, oldest first: the trees the bridge's tests run against.
+COMFYUI_TREES = _trees()
+NEWEST = list(COMFYUI_TREES)[-1]
+
+
+def versions_param():
+    """``params`` for a module fixture that opens a session per tree (ids ``comfy0.3.64``, ``comfy0.33.0``)."""
+    import pytest
+
+    return [pytest.param(v, id=f"comfy{v}") for v in COMFYUI_TREES]
+
+
+def wanted(version: str, marker_args: tuple) -> bool:
+    """Whether a test marked ``comfy_versions(*marker_args)`` runs on ``version``: a version prefix ("0.33"), or
+    "newest"."""
+    return any(version == NEWEST if a == "newest" else version.startswith(a) for a in marker_args)
 PACK = "tpu_video_nodes_under_test"
 _COMFY_TOP = ("comfy", "comfy_extras", "comfy_api", "comfy_execution", "comfy_config", "folder_paths",
               "node_helpers", "latent_preview", "nodes", "app", "utils", "server", "execution", "protocol",
-              "comfyui_version", "middleware", "api_server", PACK)
+              "comfyui_version", "middleware", "api_server", "comfy_api_nodes", "alembic_db", "hook_breaker_ac10a0",
+              "cuda_malloc", PACK)
 
 
 def _ours(name: str) -> bool:
@@ -34,10 +79,12 @@ def _ours(name: str) -> bool:
 
 
 @contextlib.contextmanager
-def comfyui_session():
-    """ComfyUI importable as the server would have it (``--cpu``), for the duration of the block."""
-    if not (COMFYUI / "comfy" / "sd.py").is_file():
-        raise RuntimeError(f"ComfyUI's source is not at {COMFYUI}: set TPU_VIDEO_COMFYUI to a ComfyUI checkout")
+def comfyui_session(tree: Path | str | None = None):
+    """ComfyUI importable as the server would have it (``--cpu``), for the duration of the block: the checkout at
+    ``tree`` (a folder, or a version of ``COMFYUI_TREES``; default ``COMFYUI``)."""
+    tree = Path(COMFYUI_TREES.get(tree, tree) if isinstance(tree, str) else (tree or COMFYUI)).resolve()
+    if not (tree / "comfy" / "sd.py").is_file():
+        raise RuntimeError(f"ComfyUI's source is not at {tree}: set TPU_VIDEO_COMFYUI to a ComfyUI checkout")
     saved = {n: m for n, m in sys.modules.items() if _ours(n)}
     for name in saved:
         del sys.modules[name]
@@ -45,7 +92,7 @@ def comfyui_session():
     for finder in finders:
         sys.meta_path.remove(finder)
     path = list(sys.path)
-    sys.path.insert(0, str(COMFYUI))
+    sys.path.insert(0, str(tree))
     dont_write = sys.dont_write_bytecode
     sys.dont_write_bytecode = True  # the checkout may be read-only
     try:

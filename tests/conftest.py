@@ -54,6 +54,26 @@ NEGATIVE = "blurry, low quality"
 SIZES = {"2b": (64, 96, 9), "5b": (64, 96, 9), "1.5": (64, 64, 17)}
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "comfy_versions(*versions): run a test of the native bridge only on the "
+                            "ComfyUI trees named (a version prefix such as \"0.33\", or \"newest\")")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests of the native bridge run once per ComfyUI tree (their module's ``pack`` fixture is parametrized by
+    version); ``comfy_versions`` deselects the trees a test does not name (a smaller pass for older versions)."""
+    from comfy_native import wanted
+
+    keep, drop = [], []
+    for item in items:
+        marker = item.get_closest_marker("comfy_versions")
+        version = getattr(getattr(item, "callspec", None), "params", {}).get("pack")
+        (drop if marker and isinstance(version, str) and not wanted(version, marker.args) else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 @pytest.fixture(autouse=True)
 def _same_imports_wherever_the_clone_sits():
     _forget_the_folder_around_the_clone()  # again: pytest's package setup has just put it back

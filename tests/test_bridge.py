@@ -7,15 +7,16 @@ import pytest
 import torch
 from comfy_native import (
     comfyui_session, load, load_pack, relative, sample, save_diffusion_model, tiny_hunyuan_video, tiny_ltxv, tiny_wan,
+    versions_param,
 )
 
 TOL = 1e-4
 LATENT = torch.zeros(1, 16, 3, 8, 8)
 
 
-@pytest.fixture(scope="module")
-def pack():
-    with comfyui_session():
+@pytest.fixture(scope="module", params=versions_param())
+def pack(request):
+    with comfyui_session(request.param):
         yield load_pack()
 
 

@@ -6,15 +6,15 @@ test runs the text encoder too.)"""
 
 import pytest
 import torch
-from comfy_native import comfyui_session, load_pack, relative
+from comfy_native import comfyui_session, versions_param, load_pack, relative
 
 TOL = 1e-4
 PROMPTS = ("a cat", "a dog running on the beach at sunset, cinematic")
 
 
-@pytest.fixture(scope="module")
-def pack():
-    with comfyui_session(), torch.inference_mode():  # ComfyUI runs its nodes in inference mode
+@pytest.fixture(scope="module", params=versions_param())
+def pack(request):
+    with comfyui_session(request.param), torch.inference_mode():  # ComfyUI runs its nodes in inference mode
         yield load_pack()
 
 

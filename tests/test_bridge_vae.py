@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from comfy_native import comfyui_session, load_pack, relative
+from comfy_native import comfyui_session, versions_param, load_pack, relative
 from conftest import subprocess_env
 
 TOL = 1e-4
 WORKER = str(Path(__file__).with_name("bridge_vae_text_worker.py"))
 
 
-@pytest.fixture(scope="module")
-def pack():
-    with comfyui_session(), torch.inference_mode():  # ComfyUI runs its nodes in inference mode
+@pytest.fixture(scope="module", params=versions_param())
+def pack(request):
+    with comfyui_session(request.param), torch.inference_mode():  # ComfyUI runs its nodes in inference mode
         yield load_pack()
 
 
