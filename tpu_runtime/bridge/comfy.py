@@ -298,19 +298,40 @@ def bridged_forwards() -> list[BridgedForward]:
 
 
 def compute_dtype_patch(base_model, compute_dtype: str):
-    """The ``manual_cast_dtype`` the model computes with on the runtime, or ``None`` to leave ComfyUI's choice.
+    """The ``manual_cast_dtype`` the model computes with on the runtime, or ``None`` to leave ComfyUI's choice
+    (``_KEEP``: keep what ComfyUI chose). Logs one line: the model, how its weights are stored, the dtype it computes
+    in and why.
 
-    ``auto`` computes as ComfyUI does on an accelerator with bfloat16: bf16/fp16 weights in their own dtype (on the
-    host ``--cpu`` makes ComfyUI cast every layer up to float32), fp8 weights cast to bfloat16 inside the program,
-    float32 weights in float32. ``as loaded`` keeps what ComfyUI chose for the device it loaded the model for."""
+    ``auto`` computes as ComfyUI does on an accelerator with bfloat16: quantized weights (ComfyUI's QuantizedTensors:
+    fp8, int8, nvfp4, mxfp8 files) and plain fp8 weights (the loader's ``weight_dtype`` fp8) dequantized to bfloat16
+    inside the program, bf16/fp16 weights in their own dtype (on the host ``--cpu`` makes ComfyUI cast every layer
+    up to float32), float32 weights in float32. ``as loaded`` keeps what ComfyUI chose for the device it loaded the
+    model for (with ``--cpu``: float32, ComfyUI's own CPU result)."""
+    from .quantized import weight_storage
+
+    module = base_model.diffusion_model
+    storage = weight_storage(module)
+    host = base_model.manual_cast_dtype or base_model.get_dtype()
     if compute_dtype == "as loaded":
-        return _KEEP
-    weights = base_model.get_dtype()
-    if weights in _HALF:
-        return None
-    if weights in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return torch.bfloat16
-    return _KEEP
+        chosen, why = _KEEP, "compute_dtype 'as loaded': what ComfyUI chose when it loaded the model"
+    elif storage.quantized or storage.fp8:
+        chosen, why = torch.bfloat16, ("quantized or fp8 weights compute in bfloat16 inside the program (dequantized, "
+                                       "or int8 matmuls on bfloat16 activations), as ComfyUI computes them on an "
+                                       "accelerator")
+    elif base_model.get_dtype() in _HALF:
+        chosen, why = None, "bf16/fp16 weights compute in their own dtype, as ComfyUI does on an accelerator"
+    else:
+        chosen, why = _KEEP, "float32 weights compute in float32"
+    computed = host if chosen is _KEEP else (chosen or base_model.get_dtype())
+    differs = f"; ComfyUI's own run on this host computes {_name(host)} (compute_dtype 'as loaded' matches it)" \
+        if computed != host else ""
+    log.info("%s: weights %s; computing in %s: %s%s", type(module).__name__, storage.describe(), _name(computed),
+             why, differs)
+    return chosen
+
+
+def _name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 _KEEP = object()

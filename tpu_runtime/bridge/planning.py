@@ -24,7 +24,8 @@ from ..engine.sharding import MeshSpec, parse_mesh
 from .calls import DeviceValue, split_call
 from .comfy import comfy_attention, comfy_attention_on_runtime
 from .program import BridgedModule, _lists_of
-from .rules import placement_specs, rules_for, text_rules_for
+from . import quantized
+from .rules import rules_for, text_rules_for
 from .text import embedding_weights
 from .vae import VAE_RULES, CausalFrameCache, frame_spec
 
@@ -60,8 +61,9 @@ def _on_mesh(bridged: BridgedModule, mesh_text: str | None, devices: list) -> Me
 
 
 def abstract_weights(bridged: BridgedModule) -> dict:
-    """Every weight the bridge places, as a shape struct with the sharding its rules give it on the module's mesh
-    (a tensor shared by two names is one struct)."""
+    """Every array the bridge places, as a shape struct with the sharding its rules give it on the module's mesh (a
+    tensor shared by two names is one struct); a quantized weight as its packed data and scales
+    (``quantized.parts_of``), as the devices hold it."""
     import jax
 
     from ..engine.dtypes import jax_dtype
@@ -69,14 +71,16 @@ def abstract_weights(bridged: BridgedModule) -> dict:
 
     runtime, mesh = get_runtime(), bridged.mesh
     named = bridged._named()
-    specs = placement_specs({n: tuple(t.shape) for n, t in named}, bridged.rules, dict(mesh.shape), bridged.label)
-    structs: dict[int, object] = {}
+    bridged._set_quantized(quantized.describe_all(named), replace=True)
+    parts = quantized.device_parts(named)
+    specs = bridged._specs(named, parts)
+    structs: dict[tuple, object] = {}
     state = {}
-    for name, tensor in named:
-        if id(tensor) not in structs:
-            structs[id(tensor)] = jax.ShapeDtypeStruct(tuple(tensor.shape), jax_dtype(tensor.dtype),
-                                                       sharding=runtime.sharding(mesh, specs[name]))
-        state[name] = structs[id(tensor)]
+    for part in parts:
+        if part.key not in structs:
+            structs[part.key] = jax.ShapeDtypeStruct(tuple(part.value.shape), jax_dtype(part.value.dtype),
+                                                     sharding=runtime.sharding(mesh, specs[part.name]))
+        state[part.name] = structs[part.key]
     return state
 
 

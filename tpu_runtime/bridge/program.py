@@ -7,7 +7,9 @@ torch modules, and torchax traces their own code into a JAX program. It knows no
 
 - **Weights**: every parameter and buffer, on the devices, each placed by the first matching rule of the module's
   rule table (``bridge/rules.py``); held until ``release``. ``refresh(names)`` re-places the named tensors from the
-  module's current host values (a LoRA patched them): same shapes and shardings, so nothing recompiles.
+  module's current host values (a LoRA patched them): same shapes and shardings, so nothing recompiles. Quantized
+  weights (ComfyUI's QuantizedTensors) are placed packed, with their scales, and dequantized inside the program
+  (``bridge/quantized.py``).
 - **Programs**: a call is split (``calls.split_call``) into tensors and a structure; one program per structure,
   mesh and attention setting, and per set of option values the model read while traced (``calls.OptionReads``).
 - **Mutable arguments**: with ``mutable_lists``, lists passed in are returned by the program too and written back
@@ -37,6 +39,7 @@ import torch
 from ..engine.attention import AttentionConfig, attention_scope
 from ..engine.sharding import MeshSpec
 from ..errors import InputError
+from . import quantized
 from .calls import DeviceValue, OptionReads, RecordedOptions, RecordedSequence, rebuild, split_call
 from .rules import ArchRules, placement_specs
 
@@ -136,6 +139,9 @@ class BridgedModule:
         self._warned_variants: set = set()
         self._serial = next(_serials)  # program keys name this module, never another one that reused its id
         self._driver = None  # on a multi-host slice's first process: the workers' side of this module
+        self.quantized: dict[str, quantized.QuantizedSpec] = {}  # the placed quantized weights, by name
+        self._quantized_key: tuple = ()
+        quantized.check_supported(self.module, self.label)
 
     # --- devices --------------------------------------------------------------------------------------------
     @property
@@ -168,8 +174,11 @@ class BridgedModule:
                 self.skip_weights = frozenset(set(self.skip_weights) - names)
                 self.state = None
 
-    def _specs(self, named) -> dict[str, tuple]:
-        return placement_specs({n: tuple(t.shape) for n, t in named}, self.rules, dict(self.mesh.shape), self.label)
+    def _specs(self, named, parts=None) -> dict[str, tuple]:
+        """The PartitionSpec of every array ``named`` weights are placed as (``parts``: those arrays, if known)."""
+        sizes = dict(self.mesh.shape)
+        specs = placement_specs({n: quantized.storage_shape(t) for n, t in named}, self.rules, sizes, self.label)
+        return quantized.part_specs(parts or quantized.device_parts(named), specs, sizes)
 
     def _host_value(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
@@ -190,22 +199,26 @@ class BridgedModule:
             self._driver = DriverBridge(slice_, self.runtime, self.label)
         return self._driver
 
-    def _place_named(self, state: dict, named, specs: dict) -> int:
-        """Place ``named`` tensors into ``state`` (every process of a slice its own shards); tensors tied under
-        several names are placed once (once per name on a slice, where the workers know names only)."""
+    def _place_named(self, state: dict, named) -> int:
+        """Place ``named`` tensors into ``state`` (every process of a slice its own shards), a quantized weight as
+        its packed data and scales (``quantized.parts_of``); tensors tied under several names are placed once (once
+        per name on a slice, where the workers know names only)."""
+        parts = quantized.device_parts(named)
+        specs = self._specs(named, parts)
         driver = self._slice()
         if driver is not None:
             from ..engine.dtypes import host_array
 
-            driver.place(self.mesh, state, [(n, host_array(self._host_value(n, t)), specs[n]) for n, t in named])
+            driver.place(self.mesh, state, [(p.name, host_array(self._host_value(p.name, p.value)), specs[p.name])
+                                            for p in parts])
             return len(named)
-        moved: dict[int, Any] = {}
-        for name, tensor in named:
-            if id(tensor) not in moved:
-                moved[id(tensor)] = self.runtime.put(self._host_value(name, tensor),
-                                                     self.runtime.sharding(self.mesh, specs[name]))
-            state[name] = moved[id(tensor)]
-        return len(moved)
+        moved: dict[tuple, Any] = {}
+        for part in parts:
+            if part.key not in moved:
+                moved[part.key] = self.runtime.put(self._host_value(part.name, part.value),
+                                                   self.runtime.sharding(self.mesh, specs[part.name]))
+            state[part.name] = moved[part.key]
+        return len({p.key for p in parts if p.name == p.weight})
 
     def place(self) -> dict:
         """The weights on the devices (placed on first use, then kept)."""
@@ -213,8 +226,9 @@ class BridgedModule:
             if self.state is None:
                 start = time.perf_counter()
                 named = self._named()
+                self._set_quantized(quantized.describe_all(named), replace=True)
                 state: dict = {}
-                moved = self._place_named(state, named, self._specs(named))
+                moved = self._place_named(state, named)
                 self.state = state
                 log.info("%s: %d weights placed on %d device(s) in %.1f s", self.label, moved,
                          self.mesh.size, time.perf_counter() - start)
@@ -230,9 +244,19 @@ class BridgedModule:
             if not names:
                 return 0
             chosen = [(n, named[n]) for n in names]
-            self._place_named(self.state, chosen, self._specs(chosen))
+            self._set_quantized(quantized.describe_all(chosen), replace=False, names=names)
+            self._place_named(self.state, chosen)
             self.stats.weight_refreshes += 1
             return len(names)
+
+    def _set_quantized(self, found: dict, replace: bool, names=()) -> None:
+        """Record the quantized weights placed (all of them, or those of ``names``): the program depends on their
+        layouts, so a change keys new programs."""
+        current = {} if replace else {n: s for n, s in self.quantized.items() if n not in set(names)}
+        self.quantized = {**current, **found}
+        self._quantized_key = quantized.signature(self.quantized)
+        if self.quantized:
+            quantized.install(self.runtime.env)
 
     def release(self) -> None:
         """Drop the device copy of the weights (compiled programs stay: they hold no weights)."""
@@ -283,7 +307,7 @@ class BridgedModule:
         mesh = self.mesh
         state = self.place()
         base = (call.structure, tuple(sorted(recorded)), tuple(mesh.shape.items()), self.attention,
-                tuple(sorted(state)))
+                tuple(sorted(state)), self._quantized_key)
         context = _read_context(options, recorded)
         with self._lock:
             variant = next((v for v in self._variants.get(base, ()) if v.reads.matches(context)), None)
@@ -379,6 +403,7 @@ class BridgedModule:
         holder = _Holder(self.module)
         method, options_arg, attention = self.method, self.options_arg, self.attention
         mutable, settle, trace_context = self.mutable_lists, self.settle, self.trace_context
+        quantized_weights = dict(self.quantized)
         layouts: list = []
 
         def keep_placed(array):  # a list's array leaves placed as the next call takes it
@@ -392,11 +417,11 @@ class BridgedModule:
             if options_view is not None:
                 keyword[options_arg] = options_view
             keyword.update(recorded_view)
-            params = {f"inner.{k}": v for k, v in weights.items()}
             arrays: list = []
             layouts.clear()
-            with env, attention_scope(attention, mesh), (trace_context() if trace_context else
-                                                         contextlib.nullcontext()):
+            with env, attention_scope(attention, mesh), quantized.tracing(quantized_weights), (
+                    trace_context() if trace_context else contextlib.nullcontext()):
+                params = {f"inner.{k}": v for k, v in quantized.assemble(weights, quantized_weights).items()}
                 out = torch.func.functional_call(holder, params, ((method, positional, keyword),), strict=False,
                                                  tie_weights=False)
                 for i, values in enumerate(_lists_of(positional, keyword) if mutable else ()):

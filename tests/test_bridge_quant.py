@@ -1,0 +1,428 @@
+"""Quantized weights on the devices (ComfyUI 0.33's comfy-kitchen QuantizedTensor weights): placed packed with their
+scales, dequantized (or multiplied as int8) inside the program by ComfyUI's own layer code, equal to ComfyUI's own
+CPU run on the same file.
+
+Tiny models of ComfyUI's own classes are quantized by ComfyUI's own quantizers (``QuantizedTensor.from_float`` with
+its layouts) and saved as the files its loaders read: per-layer ``weight`` + ``weight_scale`` (+ ``weight_scale_2``)
+with the ``_quantization_metadata`` header, or the legacy ``scaled_fp8`` marker with per-layer ``scale_weight``; they
+are read back by ComfyUI's own file loading (``load_torch_file``, ``convert_old_quants``). The kitchen ops the
+program runs are checked against comfy-kitchen's eager CPU backend.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from comfy_native import comfyui_session, load_pack, relative, versions_param
+
+pytestmark = pytest.mark.comfy_versions("0.33")
+
+TOL = 1e-4
+PROMPTS = ("a cat", "a dog running on the beach at sunset, cinematic")
+
+
+@pytest.fixture(scope="module", params=versions_param())
+def pack(request):
+    with comfyui_session(request.param), torch.inference_mode():
+        yield load_pack()
+
+
+# --- files as ComfyUI writes them ---------------------------------------------------------------------------------
+def quantize(weight: torch.Tensor, fmt: str, **conf) -> tuple[dict, dict]:
+    """A weight as ComfyUI's quantizer stores it for format ``fmt`` (a key of its QUANT_ALGOS): the tensors by key
+    suffix ("weight", "weight_scale", "weight_scale_2") and the layer's ``comfy_quant`` entry."""
+    from comfy.quant_ops import QUANT_ALGOS, QuantizedTensor
+
+    options = {"scale": "recalculate"} if fmt.startswith("float8") or fmt == "nvfp4" else {}
+    if conf.get("convrot"):  # ConvRot: the weight rotated, then quantized per output row
+        options.update(per_channel=True, convrot=True, convrot_groupsize=conf["convrot_groupsize"])
+    q = QuantizedTensor.from_float(weight, QUANT_ALGOS[fmt]["comfy_tensor_layout"], **options)
+    tensors = {k: v.view(torch.uint8) if v.dtype == torch.float8_e8m0fnu else v for k, v in q.state_dict("weight").items()}
+    return tensors, {"format": fmt, **conf}
+
+
+def save_quantized(state: dict, path, formats, prefix: str = "", extra: dict | None = None):
+    """``state`` (float weights) saved with the linear weights ``formats(name)`` names quantized: (fmt, conf) or
+    None to keep a weight as it is."""
+    from safetensors.torch import save_file
+
+    out, layers = dict(extra or {}), {}
+    for key, value in state.items():
+        chosen = formats(key) if key.endswith(".weight") and value.ndim == 2 else None
+        if chosen is None:
+            out[prefix + key] = value
+            continue
+        layer = prefix + key[: -len(".weight")]
+        tensors, layers[layer] = quantize(value, *chosen[:1], **chosen[1])
+        out.update({f"{layer}.{suffix}": tensor for suffix, tensor in tensors.items()})
+    save_file(out, str(path), metadata={"_quantization_metadata": json.dumps({"format_version": "1.0",
+                                                                               "layers": layers})})
+    return path
+
+
+def save_scaled_fp8(state: dict, path, chosen, prefix: str = "", extra: dict | None = None):
+    """The legacy ``*_fp8_scaled`` file: the ``chosen(name)`` weights float8_e4m3fn with a per-layer
+    ``scale_weight``, and the ``scaled_fp8`` marker."""
+    from safetensors.torch import save_file
+
+    out = dict(extra or {})
+    for key, value in state.items():
+        if key.endswith(".weight") and value.ndim == 2 and chosen(key):
+            scale = value.abs().max() / 448.0
+            out[prefix + key] = (value / scale).to(torch.float8_e4m3fn)
+            out[prefix + key[: -len("weight")] + "scale_weight"] = scale.float()
+        else:
+            out[prefix + key] = value
+    out[prefix + "scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    save_file(out, str(path))
+    return path
+
+
+# umT5 (Wan's text encoder) at a reduced size, its layers in the formats ComfyUI 0.33 loads: those it dequantizes
+# (fp8 e4m3 and e5m2, nvfp4, mxfp8) in one file, int8 (per tensor, and per row with ConvRot) in another.
+FLOAT_FORMATS = {"q": ("float8_e4m3fn", {}), "k": ("float8_e5m2", {}), "v": ("nvfp4", {}), "o": ("mxfp8", {}),
+                 "wi_0": ("nvfp4", {}), "wi_1": ("mxfp8", {}), "wo": ("float8_e4m3fn", {})}
+CONVROT = ("int8_tensorwise", {"convrot": True, "convrot_groupsize": 16})
+INT8_FORMATS = {"q": ("int8_tensorwise", {}), "k": ("int8_tensorwise", {}), "v": CONVROT, "o": CONVROT,
+                "wi_0": ("int8_tensorwise", {}), "wi_1": CONVROT, "wo": CONVROT}
+STORED = {"float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2", "nvfp4": "uint8", "mxfp8": "float8_e4m3fn",
+          "int8_tensorwise": "int8"}
+
+
+def _umt5_state(seed: int) -> tuple[dict, dict]:
+    """Random weights of umT5 at the tests' reduced size (two blocks), and that size."""
+    import comfy.ops
+    import comfy.text_encoders.t5 as t5
+
+    from tpu_runtime.bridge.tiny import TEXT_CONFIGS, random_state, umt5_config
+
+    reduced = {**TEXT_CONFIGS["umt5"][1], "num_layers": 2}
+    config = umt5_config(Path(comfy.ops.__file__).parents[1], **reduced)
+    return random_state(t5.T5(config, torch.float32, "cpu", comfy.ops.manual_cast), seed), reduced
+
+
+def load_text_encoder(path, reduced: dict):
+    """A umT5 file as ComfyUI's Load CLIP (type wan) reads it: ``load_torch_file`` and ``convert_old_quants`` (what
+    ``comfy.sd.load_clip`` does), then the Wan text encoder with the quantization ``t5_xxl_detect`` finds, built at
+    the reduced size the file holds (ComfyUI's detection needs umT5-XXL's 24 blocks)."""
+    import comfy.sd
+    import comfy.text_encoders.sd3_clip as sd3_clip
+    import comfy.text_encoders.wan as wan
+    import comfy.utils
+
+    sd, metadata = comfy.utils.load_torch_file(str(path), safe_load=True, return_metadata=True)
+    sd, _ = comfy.utils.convert_old_quants(sd, model_prefix="", metadata=metadata)
+
+    class Target:
+        params: dict = {}
+        clip = wan.te(**sd3_clip.t5_xxl_detect(sd))
+        tokenizer = wan.WanT5Tokenizer
+
+    tokenizer = {"spiece_model": sd.pop("spiece_model")}
+    return comfy.sd.CLIP(Target(), tokenizer_data=tokenizer, state_dict=[sd],
+                         parameters=comfy.utils.calculate_parameters(sd),
+                         model_options={"dtype": torch.float32, "umt5xxl_model_config": reduced})
+
+
+@pytest.fixture(scope="module")
+def text_files(pack, tmp_path_factory):
+    from tpu_runtime.bridge.tiny import umt5_tokenizer_data
+
+    base = tmp_path_factory.mktemp("quantized_text")
+    state, reduced = _umt5_state(seed=3)
+    tokenizer = umt5_tokenizer_data()
+
+    def chosen(formats):
+        return lambda key: formats.get(key.split(".")[-2]) if key.startswith("encoder.block.") else None
+
+    files = {kind: save_quantized(state, base / f"umt5_{kind}.safetensors", chosen(formats), extra=tokenizer)
+             for kind, formats in (("float", FLOAT_FORMATS), ("int8", INT8_FORMATS))}
+    files["scaled_fp8"] = save_scaled_fp8(state, base / "umt5_fp8_scaled.safetensors",
+                                          lambda k: k.startswith("encoder.block."), extra=tokenizer)
+    return {kind: (path, reduced) for kind, path in files.items()}
+
+
+def weight_name(leaf: str, block: int = 0) -> str:
+    """The name of umT5's layer ``leaf`` (q, k, v, o, wi_0, wi_1, wo) in block ``block``."""
+    part = "1.DenseReluDense" if leaf.startswith("w") else "0.SelfAttention"
+    return f"encoder.block.{block}.layer.{part}.{leaf}.weight"
+
+
+def assert_packed(state: dict, formats: dict) -> None:
+    """Each layer on the devices as its format stores it: its packed data's dtype, and its bytes per element (fp8,
+    int8 and mxfp8 one byte, nvfp4 half a byte; with the scales: mxfp8 an e8m0 scale per 32 values, nvfp4 an fp8
+    scale per 16, ConvRot's int8 a float32 scale per row)."""
+    from tpu_runtime.bridge.quantized import device_bytes
+
+    extra = {"nvfp4": 1 / 16, "mxfp8": 1 / 32}
+    for leaf, (fmt, conf) in formats.items():
+        name = weight_name(leaf)
+        assert str(state[name].dtype) == STORED[fmt], name
+        elements = state[name].size * (2 if fmt == "nvfp4" else 1)
+        per_element = device_bytes(state, name) / elements
+        row = state[name].shape[1] * (2 if fmt == "nvfp4" else 1)
+        expected = (0.5 if fmt == "nvfp4" else 1) + extra.get(fmt, 0) + (4 / row if conf.get("convrot") else 0)
+        assert expected <= per_element <= expected + 8 / elements, (name, per_element)
+
+
+def tpu_text(pack, clip, **inputs):
+    return pack.NODE_CLASS_MAPPINGS["TPUTextEncoder"]().apply(clip, **inputs)[0]
+
+
+def encode(clip, text):
+    import nodes
+
+    return nodes.CLIPTextEncode().encode(clip, text)[0][0][0]
+
+
+def text_model(clip):
+    from tpu_runtime.bridge.text import bridged_text_models
+
+    (model,) = bridged_text_models(clip).values()
+    return model
+
+
+# --- the kitchen ops, against comfy-kitchen's eager CPU backend ----------------------------------------------------
+def _jax(t):
+    import jax.numpy as jnp
+
+    from tpu_runtime.engine.dtypes import host_array
+
+    return jnp.asarray(host_array(t))
+
+
+def _torch(a):
+    import jax
+    import numpy as np
+
+    a = np.array(jax.device_get(a))
+    return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16) if a.dtype.name == "bfloat16" else \
+        torch.from_numpy(a)
+
+
+def _lowered(fn, *args):
+    """``fn`` (a lowering) jitted on ``args``: tensors as arrays, anything else static."""
+    import jax
+
+    positions = tuple(i for i, a in enumerate(args) if not isinstance(a, torch.Tensor))
+    jitted = jax.jit(fn, static_argnums=positions)
+    return _torch(jitted(*[_jax(a) if i not in positions else a for i, a in enumerate(args)]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kitchen_ops_lowered_as_kitchens_eager_backend_computes(dtype):
+    """Every dequantization exactly as comfy-kitchen's eager CPU backend computes it (bit for bit; ConvRot's
+    rotation, a float matmul, to its rounding), and the W8A8 linear, per-row input quantization and int8 matmul,
+    to one rounding of the output (float32) or exactly (bfloat16)."""
+    from comfy_kitchen.backends.eager import quantization as eager
+
+    from tpu_runtime.bridge import quantized as q
+
+    code = {torch.float32: 0, torch.bfloat16: 2}[dtype]
+    g = torch.Generator().manual_seed(0)
+    w, x, bias = torch.randn(48, 96, generator=g), torch.randn(2, 5, 96, generator=g), torch.randn(48, generator=g)
+
+    def same(out, ref, tol=0.0):
+        assert out.dtype == ref.dtype and out.shape == ref.shape
+        assert (out.float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
+
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        scale = w.abs().max() / torch.finfo(fp8).max
+        packed = eager.quantize_per_tensor_fp8(w, scale, fp8)
+        same(_lowered(q.dequantize_fp8, packed, scale, code), eager.dequantize_per_tensor_fp8(packed, scale, dtype))
+    tensor_scale = w.abs().max() / (448 * 6)
+    packed, blocked = eager.quantize_nvfp4(w, tensor_scale)
+    reference = eager.dequantize_nvfp4(packed, tensor_scale, blocked, dtype)
+    same(_lowered(q.dequantize_nvfp4, packed, tensor_scale, blocked, code), reference)
+    plain = q._plain_blocks(blocked, 48, 96 // 16).unsqueeze(-1)  # as placed: the plain layout, marked
+    same(_lowered(q.dequantize_nvfp4, packed, tensor_scale, plain, code), reference)
+    packed, blocked = eager.quantize_mxfp8(w)
+    same(_lowered(q.dequantize_mxfp8, packed, blocked.view(torch.uint8), code),
+         eager.dequantize_mxfp8(packed, blocked, dtype))
+    packed, scale = eager.quantize_int8_tensorwise(w)
+    same(_lowered(q.dequantize_int8_simple_dtype, packed, scale, code),
+         eager.dequantize_int8_simple_dtype(packed, scale, code))
+    rotated, rows = eager.quantize_int8_convrot_weight(w, 16)
+    same(_lowered(q.dequantize_int8_convrot_weight_dtype, rotated, rows, 16, code),
+         eager.dequantize_int8_convrot_weight_dtype(rotated, rows, 16, code), tol=1e-3 if code else 1e-6)
+    ids = torch.tensor([[3, 0, 7]])
+    same(_lowered(q.dequantize_int8_embedding, rotated, rows, ids, 16, code),
+         eager.dequantize_int8_embedding(rotated, rows, ids, 16, code), tol=1e-3 if code else 1e-6)
+    for weight, weight_scale, convrot in ((packed, scale, False), (rotated, rows, True)):
+        for act in (None, "gelu_tanh", "swiglu"):
+            xs = torch.cat([x, x], dim=-1) if act == "swiglu" else x
+            reference = eager.int8_linear(xs.to(dtype), weight, weight_scale, bias, dtype, convrot, 16, act)
+            out = _lowered(q.int8_linear, xs.to(dtype), weight, weight_scale, bias, code, convrot, 16, act)
+            same(out, reference, tol=1e-6 if dtype == torch.float32 else 0.0)
+
+
+def test_block_scales_split_as_their_weight():
+    """nvfp4's block scales, placed in their plain [rows, blocks] layout, split as their weight: a column-split
+    weight (rows over tp) and a row-split one (its packed columns over tp) take their scales along; a per-tensor
+    scale stays whole, and so does an axis tp does not divide."""
+    from comfy_kitchen.tensor import QuantizedTensor
+
+    import comfy_kitchen.tensor  # noqa: F401 - the layouts register themselves
+
+    from tpu_runtime.bridge import quantized as q
+
+    g = torch.Generator().manual_seed(1)
+    named = [(name, QuantizedTensor.from_float(torch.randn(256, 512, generator=g), "TensorCoreNVFP4Layout"))
+             for name in ("up.weight", "down.weight")]
+    parts = q.device_parts(named)
+    shapes = {p.name: (tuple(p.value.shape), p.value.dtype) for p in parts}
+    assert shapes["up.weight"] == ((256, 256), torch.uint8)  # two fp4 values a byte
+    assert shapes["up.weight:block_scale"] == ((256, 32), torch.float8_e4m3fn)  # plain: one a 16 values
+    assert shapes["up.weight:scale"] == ((), torch.float32)
+    specs = q.part_specs(parts, {"up.weight": ("tp", None), "down.weight": (None, "tp")}, {"tp": 8})
+    assert specs["up.weight:block_scale"] == ("tp", None) and specs["down.weight:block_scale"] == (None, "tp")
+    assert specs["up.weight:scale"] == ()
+    assert q.part_specs(parts, {"up.weight": ("tp", None), "down.weight": (None, "tp")},
+                        {"tp": 64})["down.weight:block_scale"] == (None, None)  # 32 blocks a row: 64 does not divide
+    # the plain layout is kitchen's own un-tiling of the blocked one
+    from comfy_kitchen.float_utils import from_blocked
+
+    tensor = named[0][1]
+    plain = next(p.value for p in parts if p.name == "up.weight:block_scale")
+    assert torch.equal(plain.view(torch.uint8), from_blocked(tensor._params.block_scale, 256, 32).view(torch.uint8))
+
+
+# --- the text encoder: every format in one file ---------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["float", "scaled_fp8"])
+def test_quantized_text_encoder_equals_native(pack, text_files, kind):
+    """umT5 from a quantized file (fp8 e4m3 and e5m2, nvfp4 and mxfp8 layers in one file; or the legacy scaled fp8
+    file as 0.33 converts it): its layers are QuantizedTensors, placed packed with their scales, and TPU Text
+    Encoder equals ComfyUI's CPU encode, which dequantizes these formats exactly. One program; a second prompt
+    compiles nothing."""
+    from tpu_runtime.engine.runtime import compile_stats
+
+    path, reduced = text_files[kind]
+    clip = load_text_encoder(path, reduced)
+    attention = clip.cond_stage_model.umt5xxl.transformer.encoder.block[0].layer[0].SelfAttention
+    assert type(attention.q.weight).__name__ == "QuantizedTensor"
+    on_tpu = tpu_text(pack, clip)
+    assert relative(encode(on_tpu, PROMPTS[0]), encode(clip, PROMPTS[0])) < TOL
+    compiles = compile_stats().xla_compiles
+    assert relative(encode(on_tpu, PROMPTS[1]), encode(clip, PROMPTS[1])) < TOL
+    model = text_model(on_tpu)
+    assert model.stats.programs == 1 and compile_stats().xla_compiles == compiles
+    assert_packed(model.state, FLOAT_FORMATS if kind == "float" else
+                  dict.fromkeys(FLOAT_FORMATS, ("float8_e4m3fn", {})))
+    if kind == "float":  # block scales in their plain layout: a row's scales, as many rows as the weight
+        assert str(model.state[weight_name("o") + ":scale"].dtype) == "uint8"  # mxfp8's e8m0 scales
+        assert model.state[weight_name("wi_0") + ":block_scale"].shape == (128, 64 // 16)
+        assert model.state[weight_name("wi_1") + ":scale"].shape == (128, 64 // 32)
+
+
+def with_dequantized_weights(layers):
+    """While the block runs, ComfyUI's layers ``layers`` dequantize their weights (ComfyUI's own on-the-fly patch
+    path, here with a patch that changes nothing): ComfyUI's float result for a quantized file."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def scope():
+        for layer in layers:
+            layer.weight_function = [lambda w: w]
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.weight_function = []
+
+    return scope()
+
+
+def quantized_layers(module):
+    return [m for m in module.modules() if type(getattr(m, "weight", None)).__name__ == "QuantizedTensor"]
+
+
+def test_int8_text_encoder_within_comfyuis_own_spread(pack, text_files):
+    """umT5 from an int8 file (per tensor, and per row with ConvRot): ComfyUI runs its int8 layers W8A8 (each
+    layer's input quantized per row), so an input rounding half a step either way flips and no two runs of
+    different float arithmetic agree to float rounding. One encode (one model call) through TPU Text Encoder lies
+    closer to ComfyUI's W8A8 encode than ComfyUI's own dequantized float encode of the same file does."""
+    path, reduced = text_files["int8"]
+    clip = load_text_encoder(path, reduced)
+    on_tpu = tpu_text(pack, clip)
+    for text in PROMPTS:
+        native = encode(clip, text)
+        with with_dequantized_weights(quantized_layers(clip.cond_stage_model)):
+            spread = relative(encode(clip, text), native)
+        assert relative(encode(on_tpu, text), native) < spread, text
+    assert_packed(text_model(on_tpu).state, INT8_FORMATS)
+
+
+def test_unsupported_layout_is_refused_when_the_node_is_applied(pack, text_files):
+    """A layout the runtime does not lower (ConvRot W4A4) is refused by the node, naming the weight and the
+    formats it runs, before anything is placed or compiled."""
+    from comfy.quant_ops import QuantizedTensor
+
+    from tpu_runtime.errors import InputError
+
+    path, reduced = text_files["float"]
+    clip = load_text_encoder(path, reduced)
+    q = clip.cond_stage_model.umt5xxl.transformer.encoder.block[1].layer[0].SelfAttention.q
+    q.weight = torch.nn.Parameter(QuantizedTensor.from_float(torch.randn(64, 64), "TensorCoreConvRotW4A4Layout",
+                                                             convrot_groupsize=16), requires_grad=False)
+    with pytest.raises(InputError, match="encoder.block.1.layer.0.SelfAttention.q.weight is quantized as "
+                                         "TensorCoreConvRotW4A4Layout.*fp8, int8 with or without ConvRot, nvfp4"):
+        tpu_text(pack, clip)
+
+
+# --- int8 layers of a diffusion model: W8A8 ---------------------------------------------------------------------------
+def _int8_feed_forward(convrot: bool):
+    """Wan's feed-forward block (``WanFeedForward``: its GELU folded into the int8 down-projection) in ComfyUI's ops
+    as ComfyUI builds a quantized diffusion model on this machine (``pick_operations``), its two layers loaded from
+    an int8 state dict (with ConvRot, or per tensor)."""
+    import comfy.ldm.wan.model as wan
+    import comfy.ops
+
+    class Config:
+        quant_config = {"mixed_ops": True}
+
+    ops = comfy.ops.pick_operations(None, torch.float32, load_device=torch.device("cpu"), model_config=Config())
+    ffn = wan.WanFeedForward(ops.Linear(64, 128), torch.nn.GELU(approximate="tanh"), ops.Linear(128, 64))
+    g = torch.Generator().manual_seed(5)
+    state = {}
+    for i, (rows, cols) in ((0, (128, 64)), (2, (64, 128))):
+        conf = {"convrot": True, "convrot_groupsize": 16} if convrot else {}
+        tensors, layer = quantize(torch.randn(rows, cols, generator=g) / cols ** 0.5, "int8_tensorwise", **conf)
+        state.update({f"{i}.{k}": v for k, v in tensors.items()})
+        state[f"{i}.bias"] = 0.1 * torch.randn(rows, generator=g)
+        state[f"{i}.comfy_quant"] = torch.tensor(list(json.dumps(layer).encode()), dtype=torch.uint8)
+    ffn.load_state_dict(state, strict=False)
+    return ffn
+
+
+@pytest.mark.parametrize("convrot", [False, True])
+def test_int8_layers_run_w8a8_on_the_devices(pack, convrot):
+    """int8 layers of a diffusion model quantize their input per row and multiply int8 by int8 (ComfyUI's CPU path
+    on the host, an int8 ``dot_general`` accumulating in int32 in the program, the MXU's on a TPU): the bridged
+    feed-forward equals ComfyUI's W8A8 result to float rounding, far closer than ComfyUI's own dequantized float
+    result (the same weights without the int8 matmul) is to it."""
+    import jax
+
+    from tpu_runtime.bridge.calls import split_call
+    from tpu_runtime.bridge.program import BridgedModule
+    from tpu_runtime.bridge.rules import GENERIC
+    from tpu_runtime.engine.runtime import tracing
+
+    ffn = _int8_feed_forward(convrot)
+    assert type(ffn[0].weight).__name__ == "QuantizedTensor" and ffn[0].weight._qdata.dtype == torch.int8
+    x = torch.randn(2, 7, 64, generator=torch.Generator().manual_seed(6))
+    native = ffn(x)
+    for layer in (ffn[0], ffn[2]):
+        layer.weight_function = [lambda w: w]  # ComfyUI's on-the-fly patch path: it dequantizes the weight
+    dequantized = ffn(x)
+    for layer in (ffn[0], ffn[2]):
+        layer.weight_function = []
+    bridged = BridgedModule(module=ffn, method=type(ffn).forward, rules=GENERIC, options_arg=None)
+    out = bridged(x)
+    assert relative(out, native) < 1e-6 < 0.01 * relative(dequantized, native)
+    assert str(bridged.state["0.weight"].dtype) == "int8" and str(bridged.state["2.weight"].dtype) == "int8"
+    program, _, _ = bridged.program_function(split_call(((x,), {})), None, bridged.mesh)
+    with tracing():
+        text = jax.jit(program).lower(bridged.state, bridged._abstract_inputs(split_call(((x,), {})))).as_text()
+    int8_dots = [line for line in text.splitlines() if "dot_general" in line and "xi8>" in line and "xi32>" in line]
+    assert len(int8_dots) == 2  # both layers: int8 x int8 -> int32
