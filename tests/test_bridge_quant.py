@@ -426,3 +426,57 @@ def test_int8_layers_run_w8a8_on_the_devices(pack, convrot):
         text = jax.jit(program).lower(bridged.state, bridged._abstract_inputs(split_call(((x,), {})))).as_text()
     int8_dots = [line for line in text.splitlines() if "dot_general" in line and "xi8>" in line and "xi32>" in line]
     assert len(int8_dots) == 2  # both layers: int8 x int8 -> int32
+
+
+# --- plan: quantized weights per chip, and int8 on a TPU ---------------------------------------------------------------
+def test_plan_puts_quantized_weights_packed_per_chip(pack):
+    """``plan --comfy-model --comfy-weights``: Wan 2.1 1.3B (every block, as released) placed on a v6e-8 as a
+    quantized file holds it. Each weight whole on every chip (sp=8): fp8 about half the bytes of bf16 (a byte an
+    element; the layers outside the blocks stay bf16), nvfp4 about a quarter (half a byte, an fp8 scale per 16
+    values). Split over tp=4 (heads), the packed data and the scales shrink with it as bf16 does; the bf16 layers
+    outside the blocks, whole on every chip, weigh a little more there."""
+    from tpu_runtime.bridge.architectures import architecture
+    from tpu_runtime.tools.plan_compile import shard_bytes
+    from tpu_runtime.tools.plan_native import _native_program, _with_weights
+    from tpu_runtime.tools.topology import parse_topology
+
+    topo, arch = parse_topology("v6e-8"), architecture("wan2.1-t2v-1.3b")
+    per_chip = {}
+    for weights in ("bf16", "fp8", "nvfp4"):
+        for mesh in ("dp=1,sp=8,tp=1", "dp=1,sp=2,tp=4"):
+            module = _with_weights(arch.build(), weights)
+            program, _, _ = _native_program(arch, module, topo, mesh, True, 480, 832, 81, None)
+            per_chip[weights, mesh] = shard_bytes(program.example[0])
+    whole, split = "dp=1,sp=8,tp=1", "dp=1,sp=2,tp=4"
+    assert 0.50 < per_chip["fp8", whole] / per_chip["bf16", whole] < 0.52
+    assert 0.28 < per_chip["nvfp4", whole] / per_chip["bf16", whole] < 0.30
+    assert per_chip["fp8", split] / per_chip["bf16", split] < 0.55
+    assert per_chip["nvfp4", split] / per_chip["bf16", split] < 0.35
+    for weights in ("bf16", "fp8", "nvfp4"):  # the blocks' parts split over tp=4: a little over a quarter a chip
+        assert per_chip[weights, split] < 0.3 * per_chip[weights, whole]
+
+
+def test_int8_compiles_to_int8_matmuls_for_a_tpu(pack):
+    """The int8 feed-forward as TPU Diffusion Model compiles it for a v6e-8 (libtpu's compiler, no TPU needed):
+    its matmuls take int8 operands and accumulate in int32 on the MXU."""
+    import re
+
+    from tpu_runtime.bridge.calls import split_call
+    from tpu_runtime.bridge.planning import PlannedProgram, _on_mesh, abstract_weights
+    from tpu_runtime.bridge.program import BridgedModule
+    from tpu_runtime.bridge.rules import GENERIC
+    from tpu_runtime.engine.runtime import lower
+    from tpu_runtime.tools.plan_compile import _lower_and_compile
+    from tpu_runtime.tools.topology import parse_topology
+
+    topo = parse_topology("v6e-8")
+    ffn = _int8_feed_forward(convrot=True)
+    bridged = BridgedModule(module=ffn, method=type(ffn).forward, rules=GENERIC, options_arg=None)
+    spec = _on_mesh(bridged, "dp=1,sp=8,tp=1", topo.devices())
+    weights = abstract_weights(bridged)
+    call = split_call(((torch.empty(1, 256, 64, device="meta"),), {}))
+    fn, _, _ = bridged.program_function(call, None, bridged.mesh)
+    planned = PlannedProgram("ffn", fn, weights, bridged._abstract_inputs(call), spec, "int8 ffn", "diffusion_model")
+    _, compiled = _lower_and_compile(planned.stage_program(("quant", "int8 ffn")), topo, lower)
+    matmuls = [line for line in compiled.as_text().splitlines() if "int8_matmul" in line and "convolution(" in line]
+    assert len(matmuls) == 2 and all(re.search(r"= s32\[", line) for line in matmuls)  # ConvRot's rotation aside

@@ -513,7 +513,8 @@ def int8_linear(x, weight, weight_scale, bias, code, convrot=False, convrot_grou
         x = _rotated(x, convrot_groupsize, hadamard(convrot_groupsize))
     shape = x.shape
     q, row_scale = quantize_int8_rows(x.reshape(-1, shape[-1]))
-    accumulated = jax.lax.dot_general(q, weight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    with jax.named_scope("int8_matmul"):
+        accumulated = jax.lax.dot_general(q, weight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
     scale = row_scale * weight_scale.astype(jnp.float32).reshape(1, -1)
     out = (accumulated.astype(jnp.float32) * scale).astype(out_dtype)
     if bias is not None:

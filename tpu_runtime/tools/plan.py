@@ -555,6 +555,10 @@ def add_args(parser) -> None:
                         "--comfy-model compiles")
     parser.add_argument("--no-compare", action="store_true", help="with --comfy-model: do not plan our own "
                         "family's step of the same model beside it")
+    parser.add_argument("--comfy-weights", choices=["bf16", "fp8", "int8", "nvfp4", "mxfp8"], default="bf16",
+                        help="with --comfy-model: the diffusion model's and the text encoder's weights as a released "
+                        "file of this format holds them (quantized files: their blocks' linear layers packed, "
+                        "dequantized inside the program)")
 
 
 def _native_names() -> list[str]:

@@ -41,6 +41,7 @@ class NativePlanReport:
     cfg: bool
     layers: int | None
     mesh: str
+    weights: str
     fits: bool
     resident_weights_bytes_per_chip: int
     peak_bytes_per_chip: int
@@ -68,15 +69,15 @@ def _native_program(arch, module, topo: Topology, mesh_text: str | None, cfg: bo
 
 
 def _component_programs(arch, stage: str, topo: Topology, height: int, width: int, frames: int, attention,
-                        layers: int | None) -> list:
-    """The text encoder's (``encode``) or the VAE decoder's (``decode``) programs, on the mesh its node's ``auto``
-    picks."""
+                        layers: int | None, weights: str = "bf16") -> list:
+    """The text encoder's (``encode``, its blocks quantized as ``weights`` says) or the VAE decoder's (``decode``)
+    programs, on the mesh its node's ``auto`` picks."""
     from ..bridge.architectures import COMPONENTS
     from ..bridge.planning import decode_programs, text_program
 
     if stage == "encode":
         c = COMPONENTS[arch.text_encoder]
-        module = c.build(layers=layers)
+        module = _with_weights(c.build(layers=layers), weights)
         return [text_program(module, c.tokens, topo.devices(), None, attention,
                              f"ComfyUI {c.label} ({type(module).__name__}), one prompt of {c.tokens} tokens")]
     c = COMPONENTS[arch.vae]
@@ -86,14 +87,30 @@ def _component_programs(arch, stage: str, topo: Topology, height: int, width: in
                            f"ComfyUI {c.label} decode at {width}x{height}x{frames}")
 
 
+def _with_weights(module, weights: str):
+    """``module`` (bf16, on meta) as a released file of format ``weights`` holds it: its blocks' linear weights
+    quantized (``bridge/quantized.py``), placed packed with their scales."""
+    if weights != "bf16":
+        from ..bridge.quantized import quantize_blocks
+
+        quantize_blocks(module, weights)
+    return module
+
+
 def plan_native(name: str, comfy_dir: str | None, topology: str | Topology, *, height: int | None = None,
                 width: int | None = None, frames: int | None = None, guidance: float | None = None,
                 mesh: str | None = None, layers: int | None = None, attention=None,
-                compare: bool = True, stages: tuple[str, ...] | None = ("sample",)) -> NativePlanReport:
+                compare: bool = True, stages: tuple[str, ...] | None = ("sample",),
+                weights: str = "bf16") -> NativePlanReport:
     """Compile ComfyUI's ``name`` step for ``topology`` (and our family's on the same mesh when ``compare``); with
     ``stages`` ``encode`` / ``decode``, its text encoder and VAE as well (``--mesh`` is the diffusion model's; the
     text encoder and the VAE take their nodes' ``auto``; ``layers`` also cuts the text encoder's depth; ``None``:
-    every stage the architecture has)."""
+    every stage the architecture has). ``weights``: bf16, or a quantized format (fp8, int8, nvfp4, mxfp8) for the
+    diffusion model's and the text encoder's blocks, as ComfyUI holds such a file."""
+    from ..bridge.quantized import PLAN_FORMATS
+
+    if weights != "bf16" and weights not in PLAN_FORMATS:
+        raise InputError(f"--comfy-weights {weights}: one of bf16, {', '.join(PLAN_FORMATS)}")
     from ..bridge.architectures import architecture, parameter_count, use_comfyui
     from ..engine.runtime import get_runtime
 
@@ -118,11 +135,11 @@ def plan_native(name: str, comfy_dir: str | None, topology: str | Topology, *, h
     get_runtime()
     planned: dict[str, dict] = {}
     weights_by_component: dict[str, int] = {}
-    module = arch.build(layers=layers)
+    module = _with_weights(arch.build(layers=layers), weights)
     # built (and its mesh checked) before anything compiles: a wrong --mesh is refused at once
     program, spec, rules = _native_program(arch, module, topo, mesh, cfg, height, width, frames, attention)
     components = [p for stage in NATIVE_STAGES if stage in stages and stage != "sample"
-                  for p in _component_programs(arch, stage, topo, height, width, frames, attention, layers)]
+                  for p in _component_programs(arch, stage, topo, height, width, frames, attention, layers, weights)]
     with _no_persistent_cache():
         for p in components:
             planned[p.name] = {"describe": p.describe, "mesh": str(p.mesh),
@@ -139,7 +156,7 @@ def plan_native(name: str, comfy_dir: str | None, topology: str | Topology, *, h
     report = NativePlanReport(
         model=arch.name, comfy_class=arch.cls, rules=rules.describe(), parameters=parameter_count(module),
         topology=topo.name, chips=topo.chips, chip_hbm_bytes=topo.hbm_bytes, devices_per_chip=topo.devices_per_chip,
-        height=height, width=width, frames=frames, cfg=cfg, layers=layers, mesh=str(spec),
+        height=height, width=width, frames=frames, cfg=cfg, layers=layers, mesh=str(spec), weights=weights,
         fits=compiled and weights + beside <= topo.hbm_bytes, resident_weights_bytes_per_chip=weights,
         peak_bytes_per_chip=weights + beside, step=step or StageReport(compiled=False, describe="not planned"),
         stages=planned)
@@ -163,6 +180,7 @@ def _gib(n: int) -> str:
 def format_native_report(r: NativePlanReport) -> str:
     unit = "device" if r.devices_per_chip > 1 else "chip"
     depth = f", {r.layers} layer(s) (reduced depth)" if r.layers else ""
+    depth += f", {r.weights} weights" if r.weights != "bf16" else ""
     lines = [
         f"plan: ComfyUI's {r.comfy_class.split(':')[1]} ({r.model}, {r.parameters / 1e9:.2f} B parameters{depth}) "
         f"through TPU Diffusion Model at {r.width}x{r.height}x{r.frames} ({'CFG' if r.cfg else 'no CFG'})",
