@@ -10,6 +10,7 @@ program runs are checked against comfy-kitchen's eager CPU backend.
 """
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -480,3 +481,98 @@ def test_int8_compiles_to_int8_matmuls_for_a_tpu(pack):
     _, compiled = _lower_and_compile(planned.stage_program(("quant", "int8 ffn")), topo, lower)
     matmuls = [line for line in compiled.as_text().splitlines() if "int8_matmul" in line and "convolution(" in line]
     assert len(matmuls) == 2 and all(re.search(r"= s32\[", line) for line in matmuls)  # ConvRot's rotation aside
+
+
+def _text_lora(clip, seed: int, rank: int = 4) -> dict:
+    """A LoRA in ComfyUI's text-encoder key format for every attention projection and feed-forward layer."""
+    g = torch.Generator().manual_seed(seed)
+    lora = {}
+    transformer = clip.cond_stage_model.umt5xxl.transformer
+    for name, module in transformer.named_modules():
+        weight = getattr(module, "weight", None)
+        if name.startswith("encoder.block.") and isinstance(weight, torch.Tensor) and weight.ndim == 2 and (
+                ".SelfAttention." in name or ".DenseReluDense." in name):
+            key = f"text_encoders.umt5xxl.transformer.{name}"
+            lora[f"{key}.lora_up.weight"] = torch.randn(weight.shape[0], rank, generator=g) * 0.3
+            lora[f"{key}.lora_down.weight"] = torch.randn(rank, weight.shape[1], generator=g) * 0.3
+    return lora
+
+
+def test_lora_on_quantized_weights_reaches_the_devices(pack, text_files):
+    """A LoRA on a quantized text encoder: ComfyUI patches the dequantized weights and quantizes them again (same
+    layout, new scales); the device copy follows (the patched layers' packed data and scales re-placed) for each
+    strength and without the LoRA again, equal to ComfyUI's encode each time, and nothing compiles."""
+    import comfy.sd
+
+    from tpu_runtime.engine.runtime import compile_stats
+
+    path, reduced = text_files["float"]
+    clip = load_text_encoder(path, reduced)
+    on_tpu = tpu_text(pack, clip)
+    plain = encode(clip, PROMPTS[1])
+    assert relative(encode(on_tpu, PROMPTS[1]), plain) < TOL
+    model = text_model(on_tpu)
+    programs, refreshes, compiles = model.stats.programs, model.stats.weight_refreshes, compile_stats().xla_compiles
+    lora = _text_lora(clip, seed=5)
+    for strength in (0.5, 1.0):
+        native = encode(comfy.sd.load_lora_for_models(None, clip, lora, 0.0, strength)[1], PROMPTS[1])
+        assert relative(native, plain) > 1e-2  # the LoRA changes the result
+        patched = comfy.sd.load_lora_for_models(None, on_tpu, lora, 0.0, strength)[1]
+        assert relative(encode(patched, PROMPTS[1]), native) < TOL
+    assert model.stats.weight_refreshes - refreshes >= 2  # each strength re-placed the patched weights
+    assert model.stats.programs == programs and compile_stats().xla_compiles == compiles
+    assert relative(encode(on_tpu, PROMPTS[1]), plain) < TOL  # without the LoRA again
+    assert str(model.state[weight_name("v")].dtype) == "uint8"  # still nvfp4 on the devices
+
+
+# --- the diffusion model: Wan from quantized files --------------------------------------------------------------------
+WAN_FLOAT_FORMATS = {"q": ("float8_e4m3fn", {}), "k": ("float8_e5m2", {}), "v": ("nvfp4", {}), "o": ("mxfp8", {}),
+                     "0": ("nvfp4", {}), "2": ("float8_e4m3fn", {})}
+WAN_INT8_FORMATS = {"q": ("int8_tensorwise", {}), "k": CONVROT, "v": ("int8_tensorwise", {}), "o": CONVROT,
+                    "0": CONVROT, "2": ("int8_tensorwise", {})}
+
+
+@pytest.fixture(scope="module")
+def wan_files(pack, tmp_path_factory):
+    """A tiny Wan (ComfyUI's WanModel) saved as Load Diffusion Model reads it: its blocks' layers in the formats
+    ComfyUI dequantizes (fp8 e4m3/e5m2, nvfp4, mxfp8), in int8 (per tensor and ConvRot), or as the legacy scaled fp8
+    file."""
+    from tpu_runtime.bridge.tiny import random_state, tiny_wan
+
+    base = tmp_path_factory.mktemp("quantized_wan")
+    state = random_state(tiny_wan("t2v"), seed=21)
+    prefix = "model.diffusion_model."
+
+    def chosen(formats):
+        return lambda key: formats.get(key.split(".")[-2]) if key.startswith("blocks.") else None
+
+    return {"float": save_quantized(state, base / "wan_float.safetensors", chosen(WAN_FLOAT_FORMATS), prefix),
+            "int8": save_quantized(state, base / "wan_int8.safetensors", chosen(WAN_INT8_FORMATS), prefix),
+            "scaled_fp8": save_scaled_fp8(state, base / "wan_fp8_scaled.safetensors",
+                                          lambda k: k.startswith("blocks."), prefix)}
+
+
+def tpu(pack, model, **inputs):
+    return pack.NODE_CLASS_MAPPINGS["TPUDiffusionModel"]().apply(model, **inputs)[0]
+
+
+def test_auto_computes_quantized_files_in_bfloat16_and_says_so(pack, wan_files, caplog):
+    """compute_dtype auto: a quantized file (which ComfyUI with --cpu reports as float32 and computes in float32)
+    computes in bfloat16, as ComfyUI does on an accelerator; the node logs one line per model with the class, how
+    its weights are stored, the dtype, why, and how ComfyUI's own run here differs. ``as loaded`` keeps float32."""
+    from comfy_native import load
+
+    model = load(wan_files["int8"])
+    assert model.model.manual_cast_dtype == torch.float32  # what ComfyUI chose under --cpu
+    with caplog.at_level(logging.INFO, logger="tpu_runtime.bridge.comfy"):
+        on_tpu = tpu(pack, model)
+    assert on_tpu.object_patches["manual_cast_dtype"] == torch.bfloat16
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("WanModel: weights")]
+    assert "TensorWiseINT8Layout (int8)" in line and "computing in bfloat16" in line
+    assert "ComfyUI's own run on this host computes float32" in line
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tpu_runtime.bridge.comfy"):
+        exact = tpu(pack, model, compute_dtype="as loaded")
+    assert "manual_cast_dtype" not in exact.object_patches
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("WanModel: weights")]
+    assert "computing in float32" in line and "own run" not in line
