@@ -37,6 +37,7 @@ import torch
 from ..engine.attention import AttentionConfig, attention_scope
 from ..engine.sharding import MeshSpec
 from ..errors import InputError
+from . import kitchen
 from .calls import DeviceValue, OptionReads, RecordedOptions, RecordedSequence, rebuild, split_call
 from .rules import ArchRules, placement_specs
 
@@ -372,6 +373,7 @@ class BridgedModule:
         the trace). ``plan``: per mutated list, per item, the steady value a settled item becomes (``None``: left
         as it is; see ``CacheSettling``)."""
         env = self.runtime.env
+        kitchen.install(env)  # the comfy-kitchen ops ComfyUI's model code may call (none on older ComfyUI)
         reads = OptionReads()
         options_view = RecordedOptions(options, reads) if options is not None else None
         recorded_view = {name: RecordedSequence(("argument", name), value, reads)
