@@ -129,14 +129,20 @@ def load_pack():
 
 # --- tiny random-weight models (ComfyUI's classes; Wan's builders are the package's: bench uses them too) ----------
 def tiny_hunyuan_video(hidden: int = 128, context: int = 64, double: int = 1, single: int = 1) -> torch.nn.Module:
+    import dataclasses
+
     import comfy.ldm.hunyuan_video.model as hv
     import comfy.ops
 
-    return hv.HunyuanVideo(
-        image_model="hunyuan_video", in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=context,
-        hidden_size=hidden, mlp_ratio=4.0, num_heads=hidden // 128, depth=double, depth_single_blocks=single,
-        axes_dim=[16, 56, 56], theta=256, patch_size=[1, 2, 2], qkv_bias=True, guidance_embed=True,
-        meanflow=False, byt5=False, operations=comfy.ops.disable_weight_init)
+    params = dict(in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=context, hidden_size=hidden,
+                  mlp_ratio=4.0, num_heads=hidden // 128, depth=double, depth_single_blocks=single,
+                  axes_dim=[16, 56, 56], theta=256, patch_size=[1, 2, 2], qkv_bias=True, guidance_embed=True,
+                  meanflow=False, byt5=False)
+    # HunyuanVideo 1.5's options (newer ComfyUI), off: the original HunyuanVideo
+    later = dict(use_cond_type_embedding=False, vision_in_dim=None, meanflow_sum=False)
+    fields = {f.name for f in dataclasses.fields(hv.HunyuanVideoParams)}
+    params.update({k: v for k, v in later.items() if k in fields})
+    return hv.HunyuanVideo(image_model="hunyuan_video", operations=comfy.ops.disable_weight_init, **params)
 
 
 def tiny_ltxv(head_dim: int = 4, layers: int = 2) -> torch.nn.Module:

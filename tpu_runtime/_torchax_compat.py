@@ -130,3 +130,43 @@ def import_torchax():
         getattr(module, "__version__", "?"), torch.__version__, len(tolerated_missing_ops), first_error,
     )
     return module
+
+
+# --- in-place ops on views ------------------------------------------------------------------------------------------
+# torchax 0.0.13 writes an in-place op's result back into the tensor a view was taken from only for the ops in its
+# own mutation table (add_, mul_, clamp_ ...). Any other in-place op (addcmul_, addcdiv_, lerp_ ...) reaches it as a
+# decomposition that updates a copy: ``e[..., :2].addcmul_(a, b)`` leaves ``e`` unchanged, with no error. ComfyUI
+# 0.33's LLaMA RoPE is written exactly so. ``fix_in_place_ops_on_views`` registers every such op of an environment as
+# its functional op followed by the write-back torchax uses for its own table. Drop it when torchax does this itself.
+def _functional_of(op):
+    """The functional overload of an in-place ATen overload (``aten.addcmul_.default`` -> ``aten.addcmul.default``),
+    or None."""
+    packet = op.overloadpacket
+    name = packet.__name__
+    if not name.endswith("_") or name.startswith("_") or name.endswith("__"):
+        return None
+    functional = getattr(torch.ops.aten, name[:-1], None)
+    if functional is None:
+        return None
+    return getattr(functional, op._overloadname, None)
+
+
+def fix_in_place_ops_on_views(env) -> list[str]:
+    """Give every in-place ATen op that ``env`` lowers without writing through views the write-back; returns the ops
+    fixed."""
+    from torchax.ops import op_base, ops_registry
+
+    fixed = []
+    for table in (env._ops, env._decomps):
+        for op, operator in list(table.items()):
+            if not isinstance(op, torch_ops.OpOverload) or op.namespace != "aten" or operator.is_view_op:
+                continue
+            if not op._schema.arguments or not op._schema.arguments[0].is_write:
+                continue
+            functional = _functional_of(op)
+            if functional is None:
+                continue
+            env._ops[op] = ops_registry.Operator(op, op_base.InplaceOp(functional), is_jax_function=False,
+                                                 is_user_defined=True, needs_env=False, is_view_op=True)
+            fixed.append(str(op))
+    return fixed

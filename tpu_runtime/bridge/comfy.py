@@ -66,22 +66,43 @@ def comfy_attention(func, q, k, v, heads, mask=None, attn_precision=None, skip_r
     """ComfyUI's ``optimized_attention`` signature, computed by torch's ``scaled_dot_product_attention`` (which the
     runtime overrides inside programs: splash on TPU, cuDNN on GPU, blockwise on CPU, a masked path with a mask).
     ``func`` is the attention ComfyUI would have used; it is not called (its CPU variants ask torch for device
-    memory, which a traced program has not)."""
+    memory, which a traced program has not).
+
+    What newer ComfyUI passes is honoured: ``scale`` (the score scale, default 1/sqrt(head width)), ``enable_gqa``
+    (keys and values with fewer heads than the queries, their width telling how many: the runtime's attention takes
+    them without repeating them), attention-tensor containers in place of q, k, v (their tensors are taken), and
+    ``low_precision_attention`` (whether a low-precision kernel such as int8 attention may be used: the runtime's
+    attention never quantizes q, k or v, so either value is met)."""
+    q, k, v = (_taken(t) for t in (q, k, v))
+    grouped = bool(kwargs.get("enable_gqa", False))
     if skip_reshape:
         batch, _, _, head_dim = q.shape
     else:
         batch, _, width = q.shape
         head_dim = width // heads
-        q, k, v = (t.view(batch, -1, heads, head_dim).transpose(1, 2) for t in (q, k, v))
+        q = q.view(batch, -1, heads, head_dim).transpose(1, 2)
+        k, v = (t.view(batch, -1, t.shape[-1] // head_dim if grouped else heads, head_dim).transpose(1, 2)
+                for t in (k, v))
     if mask is not None:
         if mask.ndim == 2:
             mask = mask.unsqueeze(0)
         if mask.ndim == 3:
             mask = mask.unsqueeze(1)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    extra = {"scale": kwargs["scale"]} if kwargs.get("scale") is not None else {}
+    if grouped and k.shape[1] != q.shape[1]:
+        extra["enable_gqa"] = True
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, **extra)
     if not skip_output_reshape:
         out = out.transpose(1, 2).reshape(batch, -1, heads * head_dim)
     return out
+
+
+def _taken(value):
+    """The tensor an attention-tensor container holds (ComfyUI's ``AttentionTensorContainer``: ``take()`` hands it
+    over once), or the value itself."""
+    if not isinstance(value, torch.Tensor) and callable(getattr(value, "take", None)):
+        return value.take()
+    return value
 
 
 def _with_attention(options: dict) -> dict:
@@ -96,7 +117,7 @@ def runtime_attention(q, k, v, heads, mask=None, attn_precision=None, skip_resha
     kwargs.pop("transformer_options", None)
     kwargs.pop("_inside_attn_wrapper", None)
     return comfy_attention(None, q, k, v, heads, mask=mask, skip_reshape=skip_reshape,
-                           skip_output_reshape=skip_output_reshape)
+                           skip_output_reshape=skip_output_reshape, **kwargs)
 
 
 def runtime_vae_attention(q, k, v):

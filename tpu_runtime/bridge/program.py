@@ -39,7 +39,7 @@ import torch
 from ..engine.attention import AttentionConfig, attention_scope
 from ..engine.sharding import MeshSpec
 from ..errors import InputError
-from . import quantized
+from . import kitchen, quantized
 from .calls import DeviceValue, OptionReads, RecordedOptions, RecordedSequence, rebuild, split_call
 from .rules import ArchRules, placement_specs
 
@@ -396,6 +396,7 @@ class BridgedModule:
         the trace). ``plan``: per mutated list, per item, the steady value a settled item becomes (``None``: left
         as it is; see ``CacheSettling``)."""
         env = self.runtime.env
+        kitchen.install(env)  # the comfy-kitchen ops ComfyUI's model code may call (none on older ComfyUI)
         reads = OptionReads()
         options_view = RecordedOptions(options, reads) if options is not None else None
         recorded_view = {name: RecordedSequence(("argument", name), value, reads)

@@ -292,7 +292,6 @@ def install(env) -> None:
     JAX lowerings."""
     if getattr(env, "_quantized_installed", False):
         return
-    from torchax.ops import ops_registry
     from torchax.tensor import OperatorNotFound
 
     original = env.dispatch
@@ -313,11 +312,19 @@ def install(env) -> None:
     env.dispatch = dispatch
     for name, lowering in LOWERINGS.items():
         packet = getattr(getattr(torch.ops, "comfy_kitchen", None), name, None)
-        op = getattr(packet, "default", None)
-        if op is not None:
-            env._ops[op] = ops_registry.Operator(op, lowering, is_jax_function=True, is_user_defined=True,
-                                                 needs_env=False, is_view_op=False)
+        if packet is not None:
+            env.override_op_definition(packet.default, _on_arrays(env, lowering))
     env._quantized_installed = True
+
+
+def _on_arrays(env, lowering):
+    """``lowering`` (on jax arrays) as torchax calls an op: torchax tensors in and out."""
+
+    def run(*args, **kwargs):
+        return env.j2t_iso(lowering(*env.t2j_iso(args), **env.t2j_iso(kwargs)))
+
+    run.__name__ = f"comfy_kitchen_{lowering.__name__}"
+    return run
 
 
 def _first_quantized(tree):

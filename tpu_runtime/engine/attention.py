@@ -338,10 +338,25 @@ def _padding_mask(mask_shape: tuple, query_shape: tuple) -> bool:
 
 
 # --- the torchax override ----------------------------------------------------------------------------------------
+def _fold_groups(q, kv_heads: int):
+    """Grouped-query attention as plain attention: [B, H, L, D] queries whose H = kv_heads x G heads share each key
+    head in order (torch's ``enable_gqa``: query head i reads key head i // G) become [B, kv_heads, G x L, D], the G
+    queries of a key head one after another along the sequence. No key or value is repeated."""
+    b, h, length, d = q.shape
+    return q.reshape(b, kv_heads, (h // kv_heads) * length, d)
+
+
+def _unfold_groups(out, heads: int, length: int):
+    b, _, _, d = out.shape
+    return out.reshape(b, heads, length, d)
+
+
 def sdpa_override(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """Stands in for ``torch.nn.functional.scaled_dot_product_attention`` inside the torchax environment. A padding
     mask (the same for every query: ComfyUI's text masks) keeps the memory-efficient paths; other masks take the
-    plain masked path."""
+    plain masked path. Grouped-query attention (``enable_gqa``, fewer key/value heads than query heads) runs without
+    repeating keys and values (each key head's queries folded along the sequence), except where the mesh splits
+    heads over more devices than there are key heads."""
     import jax.numpy as jnp
     import torch
     from torchax.interop import call_jax
@@ -351,26 +366,51 @@ def sdpa_override(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     head_dim = query.shape[-1]
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
     config, mesh, platform = active_config()
-    if attn_mask is not None and not (is_causal or enable_gqa) and _padding_mask(tuple(attn_mask.shape),
-                                                                                 tuple(query.shape)):
+    heads, kv_heads = query.shape[-3] if query.ndim >= 3 else 1, key.shape[-3] if key.ndim >= 3 else 1
+    grouped = bool(enable_gqa) and query.ndim == 4 and kv_heads != heads
+    if grouped and heads % kv_heads:
+        raise ValueError(f"grouped-query attention needs the query heads ({heads}) to be a multiple of the key "
+                         f"heads ({kv_heads})")
+    tp = mesh.shape["tp"] if mesh is not None else 1
+    if grouped and tp > 1 and kv_heads % tp:  # tp splits the query heads: each takes its own copy of its keys
+        key, value = (t.repeat_interleave(heads // kv_heads, dim=-3) for t in (key, value))
+        grouped, kv_heads = False, heads
+    length = query.shape[-2]
+
+    def fold(q):
+        return _fold_groups(q, kv_heads) if grouped else q
+
+    def unfold(out):
+        return _unfold_groups(out, heads, length) if grouped else out
+
+    if attn_mask is not None and not is_causal and _padding_mask(tuple(attn_mask.shape), tuple(query.shape)):
         boolean = attn_mask.dtype == torch.bool
 
         def padded(q, k, v, mask):
             flat = mask.reshape(mask.shape[0], mask.shape[-1])
             masks = {"key_valid": flat} if boolean else {"key_bias": flat.astype(jnp.float32)}
-            return attention(q, k, v, scale=scale, config=config, backend=platform, mesh=mesh, **masks)
+            return unfold(attention(fold(q), k, v, scale=scale, config=config, backend=platform, mesh=mesh, **masks))
 
         return call_jax(padded, query, key, value, attn_mask)
-    if attn_mask is not None or is_causal or enable_gqa or query.ndim != 4:
+    if attn_mask is not None or is_causal or query.ndim != 4:
         def masked(q, k, v, mask):
             if is_causal:
                 causal = jnp.tril(jnp.ones((q.shape[-2], k.shape[-2]), jnp.bool_))
                 mask = causal if mask is None else (mask & causal if mask.dtype == jnp.bool_ else mask + jnp.where(causal, 0.0, _NEG))
-            if enable_gqa and k.shape[-3] != q.shape[-3]:
-                k = jnp.repeat(k, q.shape[-3] // k.shape[-3], axis=-3)
-                v = jnp.repeat(v, q.shape[-3] // v.shape[-3], axis=-3)
-            return reference_attention(q, k, v, scale, mask)
+            if not grouped:
+                return reference_attention(q, k, v, scale, mask)
+            b, _, lq, d = q.shape  # [B, KV, G, L, D] against [B, KV, 1, S, D]: each key head's group at once
+            q5 = q.reshape(b, kv_heads, heads // kv_heads, lq, d)
+            mask5 = mask
+            if mask is not None and mask.ndim >= 3:  # per query head: [.., KV, G, L, S]; shared: [.., 1, 1, L, S]
+                mask5 = (mask.reshape(*mask.shape[:-3], kv_heads, heads // kv_heads, *mask.shape[-2:])
+                         if mask.shape[-3] == heads else jnp.expand_dims(mask, -3))
+            out = reference_attention(q5, k[:, :, None], v[:, :, None], scale, mask5)
+            return out.reshape(q.shape)
 
         return call_jax(masked, query, key, value, attn_mask)
-    return call_jax(functools.partial(attention, scale=scale, config=config, backend=platform, mesh=mesh),
-                    query, key, value)
+
+    def plain(q, k, v):
+        return unfold(attention(fold(q), k, v, scale=scale, config=config, backend=platform, mesh=mesh))
+
+    return call_jax(plain, query, key, value)

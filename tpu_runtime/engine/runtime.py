@@ -154,7 +154,7 @@ class Runtime:
     def __init__(self, cache_dir: str | os.PathLike | None = None):
         import jax
 
-        from .._torchax_compat import import_torchax
+        from .._torchax_compat import fix_in_place_ops_on_views, import_torchax
 
         choose_platform()
         logging.getLogger("torchax.tensor").addFilter(_DotDataNotice())
@@ -176,6 +176,7 @@ class Runtime:
 
         self.torchax = import_torchax()
         self.env = self.torchax.default_env()
+        fix_in_place_ops_on_views(self.env)  # an in-place op on a slice writes through it (torchax drops some)
         self.devices = jax.devices()  # every process's devices in a slice: meshes span them all
         self.local_devices = jax.local_devices()
         self.backend = jax.default_backend()
