@@ -576,3 +576,118 @@ def test_auto_computes_quantized_files_in_bfloat16_and_says_so(pack, wan_files, 
     assert "manual_cast_dtype" not in exact.object_patches
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("WanModel: weights")]
     assert "computing in float32" in line and "own run" not in line
+
+
+LATENT = torch.zeros(1, 16, 3, 8, 8)
+
+
+def conds(length=12, seed=1, width=4096):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(1, length, width, generator=g), {}]], [[torch.randn(1, length, width, generator=g), {}]]
+
+
+def bridged(model):
+    return next(v for k, v in model.object_patches.items() if k.startswith("diffusion_model.")).bridged
+
+
+@pytest.mark.parametrize("kind", ["float", "scaled_fp8"])
+def test_quantized_wan_equals_native(pack, wan_files, kind):
+    """Wan from a quantized file (fp8 e4m3 and e5m2, nvfp4 and mxfp8 layers; or the legacy scaled fp8 file as 0.33
+    converts it), loaded by Load Diffusion Model and sampled by ComfyUI's sampler: TPU Diffusion Model (compute_dtype
+    'as loaded': float32, as ComfyUI computes on this host) equals ComfyUI's native run; its layers stay packed on
+    the devices; one program for the whole run."""
+    from comfy_native import load, sample
+
+    model = load(wan_files[kind])
+    assert type(model.model.diffusion_model.blocks[0].self_attn.q.weight).__name__ == "QuantizedTensor"
+    positive, negative = conds()
+    native = sample(model, LATENT, positive, negative)
+    on_tpu = tpu(pack, model, compute_dtype="as loaded")
+    assert relative(sample(on_tpu, LATENT, positive, negative), native) < TOL
+    module = bridged(on_tpu)
+    assert module.stats.programs == 1
+    stored = {"float": {"q": "float8_e4m3fn", "k": "float8_e5m2", "v": "uint8", "o": "float8_e4m3fn"},
+              "scaled_fp8": dict.fromkeys("qkvo", "float8_e4m3fn")}[kind]
+    for leaf, dtype in stored.items():
+        assert str(module.state[f"blocks.1.cross_attn.{leaf}.weight"].dtype) == dtype, leaf
+
+
+def test_int8_wan_one_call_within_comfyuis_own_spread(pack, wan_files):
+    """Wan from an int8 file (per tensor and ConvRot layers): ComfyUI runs them W8A8, so float rounding that moves
+    a layer input across a half step flips its int8 value. One model call (a one-step sample: the CFG batch's
+    denoised latents) through TPU Diffusion Model lies closer to ComfyUI's W8A8 result than ComfyUI's own
+    dequantized float result of the same file does; its weights stay int8 on the devices."""
+    from comfy_native import load, sample
+
+    model = load(wan_files["int8"])
+    positive, negative = conds()
+    native = sample(model, LATENT, positive, negative, steps=1)
+    with with_dequantized_weights(quantized_layers(model.model.diffusion_model)):
+        spread = relative(sample(model, LATENT, positive, negative, steps=1), native)
+    on_tpu = tpu(pack, model, compute_dtype="as loaded")
+    ours = relative(sample(on_tpu, LATENT, positive, negative, steps=1), native)
+    assert ours < spread, (ours, spread)
+    assert str(bridged(on_tpu).state["blocks.0.ffn.2.weight"].dtype) == "int8"
+
+
+def _wan_lora(model, seed: int, rank: int = 4) -> dict:
+    """A LoRA in ComfyUI's key format for every attention projection of the blocks."""
+    g = torch.Generator().manual_seed(seed)
+    lora = {}
+    for name, module in model.model.diffusion_model.named_modules():
+        if ".self_attn." in name and type(module).__name__ == "Linear":
+            key = f"diffusion_model.{name}"
+            lora[f"{key}.lora_up.weight"] = torch.randn(module.out_features, rank, generator=g) * 0.2
+            lora[f"{key}.lora_down.weight"] = torch.randn(rank, module.in_features, generator=g) * 0.2
+    return lora
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_lora_on_a_quantized_wan_reaches_the_devices(pack, wan_files, where):
+    """A LoRA on a quantized Wan, before or after TPU Diffusion Model: ComfyUI dequantizes the patched layers, adds
+    the LoRA and quantizes them again on the host; the device copy follows at each strength and without the LoRA,
+    equal to ComfyUI's run each time; nothing compiles after the first run."""
+    import comfy.sd
+    from comfy_native import load, sample
+
+    from tpu_runtime.engine.runtime import compile_stats
+
+    model = load(wan_files["float"])
+    lora = _wan_lora(model, seed=11)
+    positive, negative = conds()
+    plain = sample(model, LATENT, positive, negative, steps=2)
+    on_tpu = tpu(pack, model, compute_dtype="as loaded") if where == "after" else None
+    counted = None
+    for strength in (0.6, 1.3):
+        with_lora = comfy.sd.load_lora_for_models(model if where == "before" else on_tpu, None, lora, strength, 0)[0]
+        native = sample(comfy.sd.load_lora_for_models(model, None, lora, strength, 0)[0], LATENT, positive,
+                        negative, steps=2)
+        patched = tpu(pack, with_lora, compute_dtype="as loaded") if where == "before" else with_lora
+        assert relative(native, plain) > 1e-2  # the LoRA changes the result
+        assert relative(sample(patched, LATENT, positive, negative, steps=2), native) < TOL
+        counted = counted or (compile_stats().xla_compiles, bridged(patched).stats.programs)
+    module = bridged(patched)
+    assert module.stats.weight_refreshes >= 1 and str(module.state["blocks.0.self_attn.v.weight"].dtype) == "uint8"
+    assert (compile_stats().xla_compiles, module.stats.programs) == counted  # the second strength compiled nothing
+    unpatched = sample(on_tpu if where == "after" else tpu(pack, model, compute_dtype="as loaded"), LATENT,
+                       positive, negative, steps=2)
+    assert relative(unpatched, plain) < TOL
+
+
+def test_auto_bfloat16_matches_comfyuis_bfloat16_run(pack, wan_files):
+    """compute_dtype auto on a quantized file computes in bfloat16 what ComfyUI computes for it in bfloat16 (its run
+    with the compute dtype set to bfloat16, sampled just before: that clone's object patch is still on the shared
+    model when the node is applied). Two bfloat16 runs round differently (XLA keeps some intermediates in float32
+    that torch rounds), so one model call's result lies within bfloat16's rounding of ComfyUI's, as far from it as
+    ComfyUI's bfloat16 run is from its float32 run, within a factor 2; and clearly not ComfyUI's float32 result."""
+    from comfy_native import load, sample
+
+    model = load(wan_files["float"])
+    positive, negative = conds()
+    in_float32 = sample(model, LATENT, positive, negative, steps=1)
+    as_gpu = model.clone()
+    as_gpu.add_object_patch("manual_cast_dtype", torch.bfloat16)
+    reference = sample(as_gpu, LATENT, positive, negative, steps=1)
+    ours = sample(tpu(pack, model), LATENT, positive, negative, steps=1)
+    rounding = relative(reference, in_float32)
+    assert relative(ours, reference) < 2 * rounding and relative(ours, in_float32) > 0.2 * rounding

@@ -332,7 +332,8 @@ def compute_dtype_patch(base_model, compute_dtype: str):
 
     module = base_model.diffusion_model
     storage = weight_storage(module)
-    host = base_model.manual_cast_dtype or base_model.get_dtype()
+    config = getattr(base_model, "model_config", None)  # the attribute may hold another clone's object patch now
+    host = getattr(config, "manual_cast_dtype", base_model.manual_cast_dtype) or base_model.get_dtype()
     if compute_dtype == "as loaded":
         chosen, why = _KEEP, "compute_dtype 'as loaded': what ComfyUI chose when it loaded the model"
     elif storage.quantized or storage.fp8:
@@ -368,6 +369,6 @@ def diffusion_model_on_runtime(patcher, settings: BridgeSettings):
     forward = _forward_for(base, settings)
     clone.add_object_patch(f"diffusion_model.{forward.bridged.method_name}", forward)
     cast = compute_dtype_patch(base, settings.compute_dtype)
-    if cast is not _KEEP and cast != base.manual_cast_dtype:
+    if cast is not _KEEP:  # always: the live attribute may be another clone's patch, undone when this one loads
         clone.add_object_patch("manual_cast_dtype", cast)
     return clone
