@@ -1,9 +1,10 @@
 """The native bridge in a process of its own (meshes need XLA_FLAGS before JAX starts; a restart needs a new
 process): samples a tiny ComfyUI Wan file natively and through TPU Diffusion Model, prints one JSON line.
 
-usage: python bridge_worker.py MODEL_FILE MESH [MESH ...] [--generic]
+usage: python bridge_worker.py MODEL_FILE MESH [MESH ...] [--generic] [--as-loaded]
 A MESH is "auto" or "dp=N,sp=N,tp=N". --generic forgets the rule tables (the model gets the generic placement,
-splitting every matrix of 1024 elements or more).
+splitting every matrix of 1024 elements or more). --as-loaded: compute_dtype "as loaded" (a quantized file computes
+in float32, as ComfyUI does here). The report gives the placement of every array of the first block.
 """
 
 import json
@@ -33,7 +34,8 @@ def main():
         report = {"devices": None, "meshes": {}}
         for mesh in meshes:
             before = compile_stats()
-            on_tpu = pack.NODE_CLASS_MAPPINGS["TPUDiffusionModel"]().apply(model, mesh=mesh)[0]
+            compute = "as loaded" if "--as-loaded" in sys.argv else "auto"
+            on_tpu = pack.NODE_CLASS_MAPPINGS["TPUDiffusionModel"]().apply(model, mesh=mesh, compute_dtype=compute)[0]
             out = sample(on_tpu, latent, positive, negative, cfg=4.0)
             bridged = next(v for k, v in on_tpu.object_patches.items() if k.startswith("diffusion_model.")).bridged
             state = bridged.state
@@ -48,6 +50,9 @@ def main():
                 "q_shard_elements": int(q.addressable_shards[0].data.size),
                 "q_elements": int(q.size),
                 "rules": bridged.rules.name,
+                "block0": {k: {"spec": [str(a) for a in v.sharding.spec], "shape": list(v.shape),
+                               "shard": list(v.addressable_shards[0].data.shape), "dtype": str(v.dtype)}
+                           for k, v in state.items() if k.startswith("blocks.0.")},
             }
     print("BRIDGE " + json.dumps(report), flush=True)
 

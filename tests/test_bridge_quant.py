@@ -691,3 +691,36 @@ def test_auto_bfloat16_matches_comfyuis_bfloat16_run(pack, wan_files):
     ours = sample(tpu(pack, model), LATENT, positive, negative, steps=1)
     rounding = relative(reference, in_float32)
     assert relative(ours, reference) < 2 * rounding and relative(ours, in_float32) > 0.2 * rounding
+
+
+def test_quantized_wan_split_over_eight_devices_equals_native(pack, tmp_path, request):
+    """A quantized Wan with four heads on 8 simulated devices (tp=4): its packed weights split by the Wan rules
+    (q/k/v and the first feed-forward layer by rows, o and the second by columns), each layer's block scales split
+    along with it in their plain layout, a per-tensor scale whole on every device; sampled, it equals ComfyUI's
+    native run."""
+    from comfy_native import COMFYUI_TREES
+    from test_bridge_mesh import _run
+
+    from tpu_runtime.bridge.tiny import random_state, tiny_wan
+
+    formats = {"q": ("nvfp4", {}), "k": ("float8_e4m3fn", {}), "v": ("mxfp8", {}), "o": ("mxfp8", {}),
+               "0": ("nvfp4", {}), "2": ("nvfp4", {})}
+    state = random_state(tiny_wan("t2v", dim=512), seed=8)
+    path = save_quantized(state, tmp_path / "wan4.safetensors",
+                          lambda k: formats.get(k.split(".")[-2]) if k.startswith("blocks.") else None,
+                          "model.diffusion_model.")
+    mesh = "dp=1,sp=2,tp=4"
+    tree = COMFYUI_TREES[request.node.callspec.params["pack"]]
+    report = _run([path, mesh, "--as-loaded"], TPU_VIDEO_COMFYUI=tree)["meshes"][mesh]
+    assert report["relative"] < TOL and report["programs"] == 1
+    arrays = report["block0"]
+    for name, spec, shard in (
+            ("self_attn.q.weight", ["tp", "None"], [128, 256]),  # nvfp4 [512, 256] packed, rows over tp
+            ("self_attn.q.weight:block_scale", ["tp", "None"], [128, 32]),
+            ("self_attn.o.weight", ["None", "tp"], [512, 128]),  # mxfp8 [512, 512], columns over tp
+            ("self_attn.o.weight:scale", ["None", "tp"], [512, 4]),  # e8m0, one per 32 columns
+            ("ffn.2.weight", ["None", "tp"], [512, 128]),  # nvfp4 [512, 1024]: packed [512, 512]
+            ("ffn.2.weight:block_scale", ["None", "tp"], [512, 16]),
+            ("self_attn.k.weight:scale", [], [])):
+        assert arrays[f"blocks.0.{name}"]["spec"] == spec, name
+        assert arrays[f"blocks.0.{name}"]["shard"] == shard, name
