@@ -1,7 +1,9 @@
 """TPU video nodes: a ComfyUI custom node pack running video diffusion models on TPU (and any JAX backend) through
 torchax: CogVideoX, Wan and LTX-2 as the pack's own families, and ComfyUI's own models through the native bridge.
 
-ComfyUI imports this file at start-up. It only registers node classes: no device is touched until a node runs.
+ComfyUI imports this file at start-up. It only registers node classes, the settings dialog's extension (``web/``)
+and, for the automatic mode (``TPU_VIDEO_AUTO``), a hook on ComfyUI's executor: no device is touched until a node
+runs. A bad value of ``TPU_VIDEO_AUTO`` stops ComfyUI's start-up with a message naming the valid values.
 """
 
 import os
@@ -20,6 +22,14 @@ else:  # imported as a plain module: pytest does so when the clone's folder name
     from nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
     from nodes.common import install_comfy_unload_hook  # noqa: E402
 
-install_comfy_unload_hook()  # ComfyUI's "free memory" also frees our device buffers
+from tpu_runtime.bridge import auto as _automatic_mode  # noqa: E402
 
-__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]
+install_comfy_unload_hook()  # ComfyUI's "free memory" also frees our device buffers
+try:
+    _automatic_mode.start()  # TPU_VIDEO_AUTO: every loaded model on the runtime
+except _automatic_mode.AutoModeError as _error:
+    raise SystemExit(f"TPU video nodes: {_error}") from None
+
+WEB_DIRECTORY = "./web"  # the settings dialog's "automatic mode" entry
+
+__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]

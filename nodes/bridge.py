@@ -2,8 +2,9 @@
 
 TPU Diffusion Model sits between a diffusion model loader (Load Diffusion Model, Load Checkpoint, a LoRA loader)
 and the sampler (KSampler, KSamplerAdvanced, SamplerCustom); TPU VAE between Load VAE and every node that decodes
-or encodes with it; TPU Text Encoder between Load CLIP and CLIP Text Encode. Everything else in the graph stays
-ComfyUI's.
+or encodes with it; TPU Text Encoder between Load CLIP and CLIP Text Encode; TPU CLIP Vision between Load CLIP
+Vision and CLIP Vision Encode. Everything else in the graph stays ComfyUI's. The automatic mode
+(``TPU_VIDEO_AUTO``, ``tpu_runtime/bridge/auto.py``) runs the same functions on every loader's output.
 """
 
 from __future__ import annotations
@@ -159,6 +160,43 @@ class TPUTextEncoder:
         return (on_runtime,)
 
 
-NODE_CLASS_MAPPINGS = {"TPUDiffusionModel": TPUDiffusionModel, "TPUVAE": TPUVAE, "TPUTextEncoder": TPUTextEncoder}
+VISION_INPUTS = {
+    "mesh": ("STRING", {"default": "auto", "tooltip": "dp=N,sp=N,tp=N over all devices; auto: attention heads on "
+             "tp (as many devices as divide them), the rest on sp. The image model's weights are split over tp"}),
+    "attention": DEVICE_INPUTS["attention"],
+    "cache_dir": DEVICE_INPUTS["cache_dir"],
+}
+
+
+class TPUCLIPVision:
+    """ComfyUI's own CLIP vision model (any model Load CLIP Vision loads) run on the TPU runtime."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("CLIP_VISION",)
+    RETURN_NAMES = ("clip_vision",)
+    FUNCTION = "apply"
+    DESCRIPTION = ("Runs ComfyUI's own CLIP vision model (clip_vision_h, SigLIP, ...) on the TPU (or any JAX device): "
+                   "put it between Load CLIP Vision and CLIP Vision Encode. Resizing, cropping and normalising the "
+                   "image stay ComfyUI's; the image model runs as one compiled program per image batch.")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"clip_vision": ("CLIP_VISION", {"tooltip": "from Load CLIP Vision or a checkpoint "
+                                                             "loader"})},
+                "optional": dict(VISION_INPUTS)}
+
+    def apply(self, clip_vision, mesh: str = "auto", attention: str = "auto", cache_dir: str = ""):
+        from tpu_runtime.bridge.vision import bridged_vision_models, clip_vision_on_runtime
+        from tpu_runtime.engine.runtime import get_runtime
+
+        settings = _bridge_settings(mesh, attention)
+        runtime = get_runtime(cache_dir=cache_dir.strip() or None)
+        on_runtime = clip_vision_on_runtime(clip_vision, settings)
+        _check_meshes(bridged_vision_models(on_runtime).values(), len(runtime.devices))
+        return (on_runtime,)
+
+
+NODE_CLASS_MAPPINGS = {"TPUDiffusionModel": TPUDiffusionModel, "TPUVAE": TPUVAE, "TPUTextEncoder": TPUTextEncoder,
+                       "TPUCLIPVision": TPUCLIPVision}
 NODE_DISPLAY_NAME_MAPPINGS = {"TPUDiffusionModel": "TPU Diffusion Model", "TPUVAE": "TPU VAE",
-                              "TPUTextEncoder": "TPU Text Encoder"}
+                              "TPUTextEncoder": "TPU Text Encoder", "TPUCLIPVision": "TPU CLIP Vision"}

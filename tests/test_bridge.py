@@ -3,6 +3,8 @@ sampled by ComfyUI's own samplers, run on the runtime and equal ComfyUI's native
 (float32, 1e-4 relative). Compiles are counted: the programs a bridged model built (``stats.programs``) and the
 XLA compiles the process ran."""
 
+import inspect
+
 import pytest
 import torch
 from comfy_native import (
@@ -232,14 +234,30 @@ def test_context_windows(pack, files):
     positive, negative = conds()
 
     def windowed(m):  # 9 frames (3 latent frames) a window, 4 (1) overlapping, over 6 latent frames
-        return WanContextWindowsManualNode.execute(m, 9, 4, "standard_static", 1, False, "pyramid").result[0]
+        settings = dict(context_length=9, context_overlap=4, context_schedule="standard_static", context_stride=1,
+                        closed_loop=False, fuse_method="pyramid", freenoise=False, retain_first_frame=False,
+                        split_conds_to_windows=False)  # the later ones: newer ComfyUI's options, off
+        accepted = inspect.signature(WanContextWindowsManualNode.execute).parameters
+        return WanContextWindowsManualNode.execute(
+            m, **{k: v for k, v in settings.items() if k in accepted}).result[0]
 
-    native = sample(windowed(model), latent, positive, negative)
+    shapes = set()  # the window shapes ComfyUI calls the model with (0.33 sizes its last window apart)
+
+    def record(executor, x, *args, **kwargs):
+        shapes.add(tuple(x.shape))
+        return executor(x, *args, **kwargs)
+
+    import comfy.patcher_extension
+
+    probe = windowed(model).clone()
+    probe.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "window_shapes", record)
+    native = sample(probe, latent, positive, negative)
     assert relative(native, sample(model, latent, positive, negative)) > 1e-3  # windows change the result
+    assert all(s[2] < latent.shape[2] for s in shapes)  # the model saw windows, never the whole latent
     for on_tpu in (windowed(tpu(pack, model)), tpu(pack, windowed(model))):  # the node before or after
         assert relative(sample(on_tpu, latent, positive, negative), native) < TOL
         module = bridged(on_tpu)
-        assert module.stats.programs == 1  # every window has the window's shape: one program
+        assert module.stats.programs == len(shapes)  # one program per window shape, not per window
 
 
 @pytest.mark.parametrize("cache", ["EasyCache", "LazyCache"])

@@ -37,7 +37,8 @@ EXPECTED = {
     "TPULTX2Decode": ("IMAGE", "AUDIO"),
 }
 # The native bridge's nodes: ComfyUI's own models on the runtime, ComfyUI's own types in and out.
-BRIDGE = {"TPUDiffusionModel": ("MODEL",), "TPUVAE": ("VAE",), "TPUTextEncoder": ("CLIP",)}
+BRIDGE = {"TPUDiffusionModel": ("MODEL",), "TPUVAE": ("VAE",), "TPUTextEncoder": ("CLIP",),
+          "TPUCLIPVision": ("CLIP_VISION",)}
 EXPECTED.update(BRIDGE)
 CATEGORIES = {"Wan": "TPU video/Wan", "CogVideoX": "TPU video/CogVideoX", "LTX2": "TPU video/LTX-2"}
 
@@ -60,7 +61,7 @@ def test_pack_registers_nodes(pack):
         assert cls.RETURN_TYPES == EXPECTED[key]
         if key in BRIDGE:
             assert cls.CATEGORY == "TPU video" and pack.NODE_DISPLAY_NAME_MAPPINGS[key].startswith("TPU ")
-            assert set(cls.INPUT_TYPES()["required"]) == {BRIDGE[key][0].lower()}  # model, vae, clip
+            assert set(cls.INPUT_TYPES()["required"]) == {BRIDGE[key][0].lower()}  # model, vae, clip, clip_vision
             continue
         assert cls.CATEGORY == next(c for name, c in CATEGORIES.items() if key.startswith(f"TPU{name}"))
         assert callable(getattr(cls, cls.FUNCTION))

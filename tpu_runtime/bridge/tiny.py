@@ -261,3 +261,51 @@ def save_umt5(path: Path, config: dict, seed: int, dtype=torch.float16) -> Path:
     state.update(umt5_tokenizer_data())
     save_file(state, str(path))
     return path
+
+
+# --- CLIP vision: ComfyUI's CLIP_VISION object ------------------------------------------------------------------------
+# CLIP ViT-H (clip_vision_h) as ComfyUI's loader recognises a file: 32 layers (its detection looks for layer 30), every
+# width reduced. ComfyUI builds it from its fixed configuration file (comfy/clip_vision_config_h.json): a ComfyUI copy
+# that loads such a file needs ``clip_vision_h_config(...)`` written there.
+CLIP_VISION_H_FILE_CONFIG = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+                             "projection_dim": 32, "num_hidden_layers": 32}
+
+
+def clip_vision_h_config(comfy_dir: str | Path, **overrides) -> dict:
+    """ComfyUI's CLIP ViT-H vision configuration (from the checkout ``comfy_dir``) with ``overrides``."""
+    import json
+
+    path = Path(comfy_dir) / "comfy" / "clip_vision_config_h.json"
+    return {**json.loads(path.read_text()), **overrides}
+
+
+def tiny_clip_vision(config: dict, seed: int = 0, dtype=torch.float32):
+    """ComfyUI's CLIP_VISION object (``comfy.clip_vision.ClipVisionModel``) for the vision ``config`` (a
+    configuration file's entries), with random weights in ``dtype`` (ComfyUI itself picks its text encoder dtype:
+    float16 on the CPU)."""
+    import json
+    import tempfile
+
+    import comfy.clip_vision
+    import comfy.model_management as mm
+
+    chosen = mm.text_encoder_dtype
+    mm.text_encoder_dtype = lambda *args, **kwargs: dtype
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "config.json"
+            path.write_text(json.dumps(config))
+            clip_vision = comfy.clip_vision.ClipVisionModel(str(path))
+    finally:
+        mm.text_encoder_dtype = chosen
+    state = {k: v.to(dtype) for k, v in random_state(clip_vision.model, seed).items()}
+    clip_vision.load_sd(state)
+    return clip_vision
+
+
+def save_clip_vision(clip_vision, path: Path) -> Path:
+    """A CLIP vision file as ComfyUI's Load CLIP Vision reads it (the transformers names, as clip_vision_h ships)."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in clip_vision.get_sd().items()}, str(path))
+    return path

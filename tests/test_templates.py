@@ -1,0 +1,247 @@
+"""ComfyUI's official video templates (the October 2026 package) run unchanged in a real ComfyUI server on the runtime,
+and equal ComfyUI's own run.
+
+One server per ComfyUI tree (a copy of the tree with this checkout linked under custom_nodes/, tiny random-weight
+models in its models/ folders under the file names the templates ask for, random pictures and clips under the input
+names). Every video template of the package whose node types exist in the tree and whose model files the tiny
+builders make (``comfy_templates.missing_builders``; docs/templates.md lists the others and why) runs three times
+(``TPU_VIDEO_TEMPLATES=all``; by default the four of ``CI_TEMPLATES`` that cover the kinds of graph):
+
+- natively (the automatic mode off in the settings store, as the settings dialog writes it);
+- with TPU Diffusion Model, TPU Text Encoder, TPU VAE and TPU CLIP Vision inserted after every loader;
+- unchanged with the automatic mode on (the setting switched to "all": the loaders run again, nothing cached from the
+  native run is reused).
+
+Sizes and steps are reduced (32x32, 5 frames, 2 steps); nodes and links stay as published. The latents each VAE
+decode takes (SaveLatent) agree within 1e-4 relative and the decoded frames (SaveImage PNGs) within 2 of 255; the
+server log names each part the automatic mode put on the runtime and each program compiled."""
+
+import json
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from comfy_native import COMFYUI_TREES, ROOT, comfyui_session, relative, versions_param
+from comfy_server_trial import http, start_server, wait_for, wait_until_up
+from comfy_templates import (
+    diffusion_builder, has_subgraphs, insert_tpu_nodes, missing_builders, node_types, observe, reduce_sizes,
+    tiny_lora, ui_to_api, video_templates, widget_files, write_image, write_video,
+)
+
+SIZE = {"width": 32, "height": 32, "length": 5, "steps": 2}
+# What CI runs by default (each template costs about 1-2 minutes here, mostly the full-size Wan VAE): text to video,
+# image to video with CLIP vision, Wan 2.2's two experts (first-last frame), VACE with a LoRA. TPU_VIDEO_TEMPLATES=all
+# runs every template the tree can run (docs/templates.md), or names some (comma-separated).
+CI_TEMPLATES = ("text_to_video_wan", "image_to_video_wan", "video_wan2_2_14B_flf2v", "video_wan_vace_14B_t2v")
+SETTING = "TPUVideo.AutomaticMode"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A copy of one ComfyUI tree, started once, with the tiny models built as the templates ask for them."""
+
+    def __init__(self, version: str, folder: Path):
+        from tpu_runtime.bridge.tiny import (
+            CLIP_VISION_H_FILE_CONFIG, UMT5_FILE_CONFIG, clip_vision_h_config, umt5_config,
+        )
+
+        self.version, self.folder = version, folder
+        shutil.copytree(COMFYUI_TREES[version], folder, ignore=shutil.ignore_patterns(".git", "__pycache__"))
+        (folder / "custom_nodes" / "tpu-video-nodes").symlink_to(ROOT)
+        self.umt5 = umt5_config(folder, **UMT5_FILE_CONFIG)
+        (folder / "comfy" / "text_encoders" / "umt5_config_xxl.json").write_text(json.dumps(self.umt5))
+        # CLIP ViT-H as Wan's image models read it: 1280 features; two layers (a file names layer 30, as ComfyUI's
+        # detection wants)
+        self.vision = clip_vision_h_config(folder, **{**CLIP_VISION_H_FILE_CONFIG, "hidden_size": 1280,
+                                                      "num_attention_heads": 16, "num_hidden_layers": 2})
+        (folder / "comfy" / "clip_vision_config_h.json").write_text(json.dumps(self.vision))
+        self.port = _free_port()
+        self.log = folder / "server.log"
+        env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_VIDEO_CACHE_DIR=str(folder / "xla_cache"))
+        env.pop("TPU_VIDEO_AUTO", None)
+        self.process = start_server(folder, os.environ.get("TPU_VIDEO_COMFY_PYTHON", _python()), self.port, env,
+                                    self.log)
+        wait_until_up(self.port, self.process, self.log)
+        self.info = http(self.port, "/object_info", timeout=120)
+        self._seed = 10
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=60)
+
+    # --- files ------------------------------------------------------------------------------------------------
+    def provide(self, prompt: dict) -> None:
+        """Every model and input file ``prompt`` names, built once."""
+        with comfyui_session(self.version):
+            for input_name, names in widget_files(prompt).items():
+                for name in names:
+                    self._model(input_name, name, prompt)
+        for node in prompt.values():
+            image = node["inputs"].get("image")
+            if node["class_type"] == "LoadImage" and not (self.folder / "input" / image).exists():
+                self._seed += 1
+                write_image(self.folder / "input" / image, self._seed)
+            video = node["inputs"].get("file")
+            if node["class_type"] == "LoadVideo" and not (self.folder / "input" / video).exists():
+                self._seed += 1
+                write_video(self.folder / "input" / video, self._seed)
+
+    def _model(self, input_name: str, name: str, prompt: dict) -> None:
+        from tpu_runtime.bridge.tiny import save_clip_vision, save_diffusion_model, save_umt5, save_wan_vae
+
+        if "clip_vision" in name:  # Load CLIP Vision's input is named clip_name too
+            input_name = "clip_vision"
+        folder = {"unet_name": "diffusion_models", "clip_name": "text_encoders", "vae_name": "vae",
+                  "lora_name": "loras", "clip_vision": "clip_vision"}[input_name]
+        path = self.folder / "models" / folder / name
+        if path.exists():
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._seed += 1
+        if input_name == "unet_name":
+            save_diffusion_model(diffusion_builder(name)(), path, seed=self._seed, dtype=torch.float16)
+        elif input_name == "clip_name":
+            save_umt5(path, self.umt5, seed=self._seed)
+        elif input_name == "vae_name":
+            save_wan_vae(path, seed=self._seed)
+        elif input_name == "lora_name":
+            from safetensors.torch import save_file
+
+            unet = next(v for v in widget_files(prompt)["unet_name"])
+            save_file(tiny_lora(diffusion_builder(unet)(), seed=self._seed), str(path))
+        else:
+            self._clip_vision(path)
+
+    def _clip_vision(self, path: Path) -> None:
+        from safetensors.torch import save_file
+        from tpu_runtime.bridge.tiny import tiny_clip_vision
+
+        model = tiny_clip_vision(self.vision, seed=self._seed, dtype=torch.float16)
+        state = {k: v.contiguous() for k, v in model.get_sd().items()}
+        state["vision_model.encoder.layers.30.layer_norm1.weight"] = torch.ones(1280, dtype=torch.float16)
+        save_file(state, str(path))
+
+    # --- runs -------------------------------------------------------------------------------------------------
+    def run(self, prompt: dict, automatic: str, prefix: str) -> dict:
+        import urllib.error
+
+        http(self.port, f"/settings/{SETTING}", automatic)
+        try:
+            queued = http(self.port, "/prompt", {"prompt": prompt})
+        except urllib.error.HTTPError as error:  # the server's validation: say which node and input
+            raise AssertionError(f"prompt refused: {error.read().decode()[:3000]}") from None
+        result = wait_for(self.port, queued["prompt_id"], 900)
+        status = result["status"]
+        assert status["status_str"] == "success", json.dumps(status)[-3000:]
+        return _outputs(self.folder / "output" / prefix)
+
+
+def _outputs(folder: Path) -> dict:
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    out = {}
+    for node in sorted(folder.iterdir()):
+        (latent,) = node.glob("latent_*.latent")
+        frames = [np.asarray(Image.open(p)) for p in sorted(node.glob("frame_*.png"))]
+        out[node.name] = (load_file(str(latent))["latent_tensor"], np.stack(frames))
+    return out
+
+
+def _python() -> str:
+    import sys
+
+    return sys.executable
+
+
+@pytest.fixture(scope="module", params=versions_param())
+def pack(request) -> str:
+    """The ComfyUI tree's version (the harness's per-tree fixture is named ``pack``: ``comfy_versions`` reads it)."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def server(pack, tmp_path_factory):
+    started = Server(pack, tmp_path_factory.mktemp("templates") / "comfyui")
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def runnable(server: Server) -> tuple[dict, dict]:
+    """(name -> API prompt of every template the test runs, name -> why each other video template is left out)."""
+    chosen, left = {}, {}
+    wanted = os.environ.get("TPU_VIDEO_TEMPLATES", ",".join(CI_TEMPLATES))
+    only = set() if wanted == "all" else {n for n in wanted.split(",") if n}
+    for name, workflow in sorted(video_templates().items()):
+        if only and name not in only:
+            continue
+        missing = sorted(node_types(workflow) - set(server.info))
+        if missing:
+            left[name] = f"node types not in ComfyUI {server.version}: {', '.join(missing)}"
+        elif has_subgraphs(workflow):
+            left[name] = "subgraphs (not converted by the test's UI-to-API conversion yet)"
+        else:
+            prompt = ui_to_api(workflow, server.info)
+            files = missing_builders(prompt)
+            if files:
+                left[name] = f"no tiny model for {', '.join(files)}"
+            else:
+                chosen[name] = prompt
+    return chosen, left
+
+
+def compare(native: dict, other: dict, what: str) -> None:
+    assert native and set(other) == set(native), (what, sorted(native), sorted(other))
+    for node, (latent, frames) in native.items():
+        other_latent, other_frames = other[node]
+        assert other_latent.shape == latent.shape and relative(other_latent, latent) < 1e-4, (what, node)
+        assert other_frames.shape == frames.shape, (what, node)
+        assert np.abs(other_frames.astype(int) - frames.astype(int)).max() <= 2, (what, node)
+
+
+# ComfyUI 0.33's Wan, LTX-2, HunyuanVideo 1.5 and Kandinsky 5 run RoPE and AdaLN through comfy-kitchen's custom ops:
+# the 0.33 tree joins once the runtime lowers them (its templates are selected the same way, by node types and files).
+@pytest.mark.comfy_versions("0.3.")
+@pytest.mark.timeout(3600)  # every template (TPU_VIDEO_TEMPLATES=all) takes longer than the suite's 15 minutes a test
+def test_official_video_templates_equal_native_with_the_tpu_nodes_and_in_the_automatic_mode(server):
+    chosen, left = runnable(server)
+    print(f"\nComfyUI {server.version}: {len(chosen)} templates run; left out:")
+    for name, why in left.items():
+        print(f"  {name}: {why}")
+    assert chosen, "no template runs"
+    failures, timings = {}, {}
+    for name, template in chosen.items():
+        started = time.time()
+        try:
+            prompt = reduce_sizes(json.loads(json.dumps(template)), server.info, **SIZE)
+            server.provide(prompt)
+            runs = {}
+            for run, automatic in (("native", "off"), ("nodes", "off"), ("auto", "all")):
+                variant = observe(json.loads(json.dumps(prompt)), f"tpl/{name}/{run}")
+                if run == "nodes":
+                    variant = insert_tpu_nodes(variant, server.info)
+                runs[run] = server.run(variant, automatic, f"tpl/{name}/{run}")
+            compare(runs["native"], runs["nodes"], "TPU nodes inserted")
+            compare(runs["native"], runs["auto"], "automatic mode")
+        except Exception as error:  # noqa: BLE001 - every template is tried; the failures are listed together
+            failures[name] = f"{type(error).__name__}: {str(error)[:1500]}"
+        timings[name] = time.time() - started
+        http(server.port, "/free", {"unload_models": True, "free_memory": True})
+    for name, seconds in timings.items():
+        print(f"  {name}: {seconds:.0f} s {'FAILED' if name in failures else 'equal'}")
+    assert not failures, json.dumps(failures, indent=1)
+    text = server.log.read_text()
+    assert "automatic mode: WanModel from UNETLoader runs on the TPU runtime" in text
+    assert "compiled WanModel for inputs" in text or "loaded WanModel" in text
