@@ -39,7 +39,8 @@ def quantize(weight: torch.Tensor, fmt: str, **conf) -> tuple[dict, dict]:
     if conf.get("convrot"):  # ConvRot: the weight rotated, then quantized per output row
         options.update(per_channel=True, convrot=True, convrot_groupsize=conf["convrot_groupsize"])
     q = QuantizedTensor.from_float(weight, QUANT_ALGOS[fmt]["comfy_tensor_layout"], **options)
-    tensors = {k: v.view(torch.uint8) if v.dtype == torch.float8_e8m0fnu else v for k, v in q.state_dict("weight").items()}
+    tensors = {k: v.view(torch.uint8) if v.dtype == torch.float8_e8m0fnu else v  # e8m0 scales stored as their bytes
+               for k, v in q.state_dict("weight").items()}
     return tensors, {"format": fmt, **conf}
 
 
@@ -429,7 +430,7 @@ def test_int8_layers_run_w8a8_on_the_devices(pack, convrot):
     assert len(int8_dots) == 2  # both layers: int8 x int8 -> int32
 
 
-# --- plan: quantized weights per chip, and int8 on a TPU ---------------------------------------------------------------
+# --- plan: quantized weights per chip, and int8 on a TPU ------------------------------------------------------------
 def test_plan_puts_quantized_weights_packed_per_chip(pack):
     """``plan --comfy-model --comfy-weights``: Wan 2.1 1.3B (every block, as released) placed on a v6e-8 as a
     quantized file holds it. Each weight whole on every chip (sp=8): fp8 about half the bytes of bf16 (a byte an

@@ -324,8 +324,8 @@ def compute_dtype_patch(base_model, compute_dtype: str):
     in and why.
 
     ``auto`` computes as ComfyUI does on an accelerator with bfloat16: quantized weights (ComfyUI's QuantizedTensors:
-    fp8, int8, nvfp4, mxfp8 files) and plain fp8 weights (the loader's ``weight_dtype`` fp8) dequantized to bfloat16
-    inside the program, bf16/fp16 weights in their own dtype (on the host ``--cpu`` makes ComfyUI cast every layer
+    fp8, int8, nvfp4, mxfp8 files) and plain fp8 weights (the loader's ``weight_dtype`` fp8) in bfloat16 inside the
+    program (dequantized, or int8 matmuls on bfloat16 activations), bf16/fp16 weights in their own dtype (on the host ``--cpu`` makes ComfyUI cast every layer
     up to float32), float32 weights in float32. ``as loaded`` keeps what ComfyUI chose for the device it loaded the
     model for (with ``--cpu``: float32, ComfyUI's own CPU result)."""
     from .quantized import weight_storage

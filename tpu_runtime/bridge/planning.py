@@ -21,10 +21,10 @@ import torch
 
 from ..engine.attention import AttentionConfig
 from ..engine.sharding import MeshSpec, parse_mesh
+from . import quantized
 from .calls import DeviceValue, split_call
 from .comfy import comfy_attention, comfy_attention_on_runtime
 from .program import BridgedModule, _lists_of
-from . import quantized
 from .rules import rules_for, text_rules_for
 from .text import embedding_weights
 from .vae import VAE_RULES, CausalFrameCache, frame_spec

@@ -14,9 +14,9 @@ tensor around the packed data and its layout's parameters (scales). How the brid
   ``[rows, blocks]`` layout, which splits over the mesh as the weight does.
 - **In the program** (``assemble``): the QuantizedTensor is built again around the traced arrays
   (``__tensor_unflatten__``), so ComfyUI's own layer code runs as on the host: where it dequantizes (fp8, nvfp4 and
-  mxfp8 on a machine without fp8 matmuls, every layer of a text encoder) it dequantizes inside the program, where it
-  runs its int8 matmul (int8 layers of a diffusion model: the input quantized per row, W8A8) the program does, an
-  int8 ``dot_general`` accumulating in int32 (the MXU on a TPU). torchax hands every op that has a QuantizedTensor
+  mxfp8 on a machine without fp8 and fp4 matmuls) it dequantizes inside the program, where it runs its int8 matmul
+  (an int8 layer whose input has the dtype its weight was loaded for: the input quantized per row, W8A8) the
+  program does, an int8 ``dot_general`` accumulating in int32 (the MXU on a TPU). torchax hands every op that has a QuantizedTensor
   argument to the QuantizedTensor's own dispatch (``install``), and the comfy-kitchen ops that dispatch calls
   (``torch.ops.comfy_kitchen.dequantize_*``, ``int8_linear``) are lowered here to JAX (``LOWERINGS``), as
   comfy-kitchen's eager CPU backend computes them. A plain-layout block scale carries a trailing unit axis inside
@@ -34,7 +34,6 @@ this uses comes from the tensor (its class, its layout's class).
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -43,10 +42,7 @@ import torch
 
 from ..errors import InputError
 
-log = logging.getLogger(__name__)
-
 SEPARATOR = ":"  # the device name of a weight's parameter: "blocks.0.ffn.0.weight:scale"
-
 
 
 @dataclass(frozen=True)
@@ -92,15 +88,10 @@ class QuantizedSpec:
     fields: tuple[tuple[str, str], ...]  # (parameter, attribute name of the flattened tensor)
     non_tensor: tuple[tuple[str, Any], ...]  # orig_dtype, orig_shape, flags
     blocks: BlockScales | None = None  # placed in their plain layout (nvfp4 / mxfp8 block scales)
-    storage: str = ""  # the packed data's dtype
 
     @property
     def plain(self) -> tuple[str, ...]:
         return (self.blocks.field,) if self.blocks else ()
-
-    @property
-    def orig_dtype(self) -> torch.dtype:
-        return dict(self.non_tensor)["orig_dtype"]
 
     def context(self) -> dict:
         return {"layout_cls": self.layout, "params_class": self.params_class, "tensor_fields": dict(self.fields),
@@ -115,8 +106,7 @@ def describe(tensor) -> QuantizedSpec:
     return QuantizedSpec(
         tensor_class=type(tensor), layout=ctx["layout_cls"], params_class=ctx["params_class"],
         fields=tuple(ctx["tensor_fields"].items()), non_tensor=tuple(sorted(ctx["non_tensor_fields"].items())),
-        blocks=blocks if blocks and blocks.field in ctx["tensor_fields"] else None,
-        storage=str(tensor._qdata.dtype).replace("torch.", ""))
+        blocks=blocks if blocks and blocks.field in ctx["tensor_fields"] else None)
 
 
 def describe_all(named) -> dict[str, QuantizedSpec]:
@@ -360,7 +350,7 @@ class _TorchaxBackend:
                                                    input_act)
 
 
-# --- the lowerings: comfy-kitchen's eager CPU backend (backends/eager/quantization.py), in JAX -------------------------
+# --- the lowerings: comfy-kitchen's eager CPU backend (backends/eager/quantization.py), in JAX ----------------------
 _CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
