@@ -19,9 +19,9 @@ BRIDGE_INPUTS = {
              "in attention)"}),
     "attention": DEVICE_INPUTS["attention"],
     "compute_dtype": (["auto", "as loaded"], {"default": "auto", "tooltip": "auto: bf16/fp16 weights compute in "
-                      "their own dtype and fp8 weights in bfloat16, as ComfyUI does on a GPU (with --cpu ComfyUI "
-                      "itself would cast every layer to float32); as loaded: exactly what ComfyUI chose when it "
-                      "loaded the model"}),
+                      "their own dtype, fp8 and quantized (int8, nvfp4, mxfp8) weights in bfloat16, as ComfyUI does "
+                      "on a GPU (with --cpu ComfyUI itself would cast every layer to float32); as loaded: exactly "
+                      "what ComfyUI chose when it loaded the model"}),
     "cache_dir": DEVICE_INPUTS["cache_dir"],
 }
 

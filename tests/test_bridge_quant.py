@@ -458,6 +458,19 @@ def test_plan_puts_quantized_weights_packed_per_chip(pack):
         assert per_chip[weights, split] < 0.3 * per_chip[weights, whole]
 
 
+def test_plan_refuses_an_unknown_weight_format_before_compiling(pack, capsys):
+    """An unknown format, or --comfy-weights for our families' --model (which read the format from their files), is
+    refused with the choices before anything is built or compiled."""
+    from tpu_runtime.errors import InputError
+    from tpu_runtime.tools.cli import main
+    from tpu_runtime.tools.plan_native import plan_native
+
+    with pytest.raises(InputError, match="--comfy-weights int4: one of bf16, fp8, int8, nvfp4, mxfp8"):
+        plan_native("wan2.1-t2v-1.3b", None, "v6e-8", weights="int4")
+    assert main(["plan", "--model", "wan2.1-t2v-1.3b", "--topology", "v6e-8", "--comfy-weights", "fp8"]) == 2
+    assert "--comfy-weights fp8 plans ComfyUI's own model classes: give --comfy-model" in capsys.readouterr().err
+
+
 def test_int8_compiles_to_int8_matmuls_for_a_tpu(pack):
     """The int8 feed-forward as TPU Diffusion Model compiles it for a v6e-8 (libtpu's compiler, no TPU needed):
     its matmuls take int8 operands and accumulate in int32 on the MXU."""

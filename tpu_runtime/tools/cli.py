@@ -180,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             if args.comfy_model:
                 return _plan_native(args)
+            if args.comfy_weights != "bf16":
+                raise InputError(f"--comfy-weights {args.comfy_weights} plans ComfyUI's own model classes: give "
+                                 "--comfy-model (our families' --model reads its weights' format from its files)")
             from . import plan
 
             return plan.run(args)
