@@ -103,8 +103,6 @@ def test_loaders_of_any_pack_are_found_by_their_declared_types(pack):
         assert loader_slots(cls) == {}, cls
 
 
-# ComfyUI 0.33's Wan runs RoPE through comfy-kitchen's custom ops, which the runtime lowers once those lowerings land.
-@pytest.mark.comfy_versions("0.3.")
 def test_a_loaded_model_runs_on_the_runtime_and_equals_native(pack, auto, tmp_path, caplog):
     import execution
     import nodes
@@ -136,7 +134,6 @@ def _untraceable_block(args, extra):
     return out
 
 
-@pytest.mark.comfy_versions("0.3.")
 def test_a_model_that_cannot_be_compiled_runs_on_the_host(pack, auto, tmp_path, caplog):
     model = load(save_diffusion_model(tiny_wan("t2v", layers=1), tmp_path / "wan.safetensors", seed=3))
     model.set_model_patch_replace(_untraceable_block, "dit", "double_block", 0)
