@@ -263,9 +263,7 @@ def test_block_scales_split_as_their_weight():
     """nvfp4's block scales, placed in their plain [rows, blocks] layout, split as their weight: a column-split
     weight (rows over tp) and a row-split one (its packed columns over tp) take their scales along; a per-tensor
     scale stays whole, and so does an axis tp does not divide."""
-    from comfy_kitchen.tensor import QuantizedTensor
-
-    import comfy_kitchen.tensor  # noqa: F401 - the layouts register themselves
+    from comfy_kitchen.tensor import QuantizedTensor  # its layouts register themselves
 
     from tpu_runtime.bridge import quantized as q
 
