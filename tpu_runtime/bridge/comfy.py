@@ -359,8 +359,23 @@ def _name(dtype) -> str:
 _KEEP = object()
 
 
+def refuse_dynamic_patcher(patcher, what: str) -> None:
+    """Stop before any step when ComfyUI manages ``patcher``'s weights dynamically (newer ComfyUI on a GPU machine
+    without ``--cpu``: ``ModelPatcherDynamic``). Such a patcher never merges a LoRA (or any weight patch) into the
+    host weights: it applies it while casting each layer for its GPU, so a device copy made from the host weights
+    would silently run without it."""
+    is_dynamic = getattr(patcher, "is_dynamic", None)
+    if callable(is_dynamic) and is_dynamic():
+        raise InputError(
+            f"ComfyUI manages {what}'s weights with dynamic VRAM ({type(patcher).__name__}): it applies LoRAs and "
+            f"other weight patches only while casting each layer for its GPU, so the TPU runtime cannot take them. "
+            f"Start ComfyUI with --cpu (on a TPU VM: ComfyUI keeps its models on the host and the TPU is the "
+            f"runtime's) or with --disable-dynamic-vram")
+
+
 def diffusion_model_on_runtime(patcher, settings: BridgeSettings):
     """A clone of ``patcher`` (ComfyUI's MODEL) whose diffusion model runs on the runtime."""
+    refuse_dynamic_patcher(patcher, type(getattr(getattr(patcher, "model", None), "diffusion_model", patcher)).__name__)
     clone = patcher.clone()
     base = clone.model
     if not hasattr(base, "diffusion_model"):

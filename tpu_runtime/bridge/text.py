@@ -30,7 +30,7 @@ import logging
 import torch
 
 from ..errors import InputError
-from .comfy import BridgedForward, BridgeSettings, comfy_attention_on_runtime, held_forward
+from .comfy import BridgedForward, BridgeSettings, comfy_attention_on_runtime, held_forward, refuse_dynamic_patcher
 from .program import BridgedModule
 from .rules import text_rules_for
 
@@ -101,6 +101,7 @@ def text_encoder_on_runtime(clip, settings: BridgeSettings):
         raise InputError(f"TPU Text Encoder does not know how to run {type(cond_stage_model).__name__}: it holds no "
                          f"text model ComfyUI feeds embeddings to; remove the TPU Text Encoder node to encode on the "
                          f"host")
+    refuse_dynamic_patcher(clip.patcher, type(cond_stage_model).__name__)
     clone = clip.clone()
     for name, module in models:
         forward = _text_forward(cond_stage_model, name, module, settings)

@@ -41,7 +41,7 @@ import torch
 
 from ..engine.sharding import frame_split_spec
 from ..errors import InputError
-from .comfy import BridgedForward, BridgeSettings, comfy_attention_on_runtime, held_forward
+from .comfy import BridgedForward, BridgeSettings, comfy_attention_on_runtime, held_forward, refuse_dynamic_patcher
 from .program import BridgedModule, CacheSettling
 from .rules import ArchRules
 
@@ -221,6 +221,7 @@ def vae_on_runtime(vae, settings: BridgeSettings):
                          f"encoder and decoder nor decode and encode methods; remove the TPU VAE node to decode "
                          f"on the host")
     on_runtime = copy.copy(vae)
+    refuse_dynamic_patcher(vae.patcher, type(first_stage_model).__name__)
     on_runtime.patcher = vae.patcher.clone()
     for key, module, method in parts:
         forward = _part_forward(vae, key, module, method, settings)

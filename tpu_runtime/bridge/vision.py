@@ -26,7 +26,7 @@ import logging
 import torch
 
 from ..errors import InputError
-from .comfy import BridgedForward, BridgeSettings, comfy_attention_on_runtime, held_forward
+from .comfy import BridgedForward, BridgeSettings, comfy_attention_on_runtime, held_forward, refuse_dynamic_patcher
 from .program import BridgedModule
 from .rules import COLUMN, ROW, VECTOR, ArchRules
 
@@ -81,6 +81,7 @@ def clip_vision_on_runtime(clip_vision, settings: BridgeSettings):
         raise InputError(f"the clip_vision input holds a {type(clip_vision).__name__}, not a loaded CLIP vision "
                          f"model: connect Load CLIP Vision (or a checkpoint loader's CLIP_VISION output) to TPU CLIP "
                          f"Vision")
+    refuse_dynamic_patcher(patcher, type(model).__name__)
     on_runtime = copy.copy(clip_vision)
     on_runtime.patcher = patcher.clone()
     on_runtime.patcher.add_object_patch("forward", _vision_forward(model, settings))
