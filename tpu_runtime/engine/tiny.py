@@ -65,13 +65,14 @@ def train_spiece(path: Path) -> None:
 
 def exact(t, fp8: bool):
     """Round a weight so that every file format the tests write holds it exactly: bfloat16 values (fp16-exact
-    too once tiny magnitudes are zeroed), and for matrices, fp8_e4m3fn values times a power-of-two scale."""
+    too once tiny magnitudes are zeroed), and for matrices, fp8_e4m3fn values times a power-of-two scale (the
+    smallest that keeps the largest value within fp8's 448: torch casts a larger one to NaN)."""
     import torch
 
     t = t.to(torch.bfloat16).float()
     t[t.abs() < 2.0**-14] = 0.0
     if fp8 and t.ndim == 2 and t.abs().max() > 0:
-        scale = 2.0 ** torch.round(torch.log2(t.abs().max() / 448.0))
+        scale = fp8_scale(t)
         t = (t / scale).to(torch.float8_e4m3fn).float() * scale
         t[t.abs() < 2.0**-14] = 0.0
     return t
@@ -90,12 +91,19 @@ def finish(directory: Path, model_index: dict, label: str, seed: int) -> Path:
     return directory
 
 
+def fp8_scale(t):
+    """The power of two that brings matrix ``t``'s largest magnitude to within float8_e4m3fn's range (448)."""
+    import torch
+
+    return 2.0 ** torch.ceil(torch.log2(t.abs().max() / 448.0))
+
+
 def fp8_quantise(t):
-    """(float8_e4m3fn values, 0-dim float32 scale) of matrix ``t``, the scale a power of two near absmax / 448:
+    """(float8_e4m3fn values, 0-dim float32 scale) of matrix ``t``, the scale ``fp8_scale``'s power of two:
     a matrix ``exact(t, fp8=True)`` rounded is held exactly."""
     import torch
 
-    scale = 2.0 ** torch.round(torch.log2(t.float().abs().max() / 448.0))
+    scale = fp8_scale(t.float())
     return (t.float() / scale).to(torch.float8_e4m3fn), scale.reshape(()).float()
 
 
