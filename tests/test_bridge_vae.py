@@ -124,7 +124,11 @@ def _first_only(module) -> dict:
     return {"first_chunk": True} if "first_chunk" in inspect.signature(type(module).forward).parameters else {}
 
 
-@pytest.mark.parametrize("kind", ["wan2.1", "wan2.2"])
+# Wan 2.2's VAE code is the same in both trees: the older tree's pass leaves it out (CI time).
+WAN_KINDS = ["wan2.1", pytest.param("wan2.2", marks=pytest.mark.comfy_versions("newest"))]
+
+
+@pytest.mark.parametrize("kind", WAN_KINDS)
 def test_wan_decode_of_any_length_is_a_bounded_number_of_programs(pack, vaes, kind):
     """1, 3, 5 and 9 latent frames decode as ComfyUI's native run, one bridged call per call ComfyUI's own loop makes:
     a first-chunk and a later-chunk program where the loop decodes a latent frame a call, and also one for a lone
@@ -178,7 +182,7 @@ def test_wan_decode_of_any_length_is_a_bounded_number_of_programs(pack, vaes, ki
     assert decoder.stats.calls == calls
 
 
-@pytest.mark.parametrize("kind", ["wan2.1", "wan2.2"])
+@pytest.mark.parametrize("kind", WAN_KINDS)
 def test_wan_encode_of_any_length_is_a_bounded_number_of_programs(pack, vaes, kind):
     """1, 5, 9 and 13 frames encode as ComfyUI's native run, in no more programs than the distinct calls ComfyUI's
     own loop makes, and a longer video compiles nothing. Where the loop encodes the temporal factor's frames a call

@@ -87,14 +87,16 @@ class CausalFrameCache(CacheSettling):
     in 0.33's), its arguments only the first call takes are left out (Wan 2.2's ``first_chunk``) and its flags are
     the later call's (0.33's ``final``)."""
 
+    MARKER = "Rep"  # an upsampling slot before it holds frames
+
     def __init__(self, later_call: Callable[[], dict | None], time_axis: int = 2):
         self._later_call = later_call
-        self._later: dict | None = None
+        self._later: dict | None | object = _UNKNOWN
         self.time_axis = time_axis
 
     def later(self) -> dict | None:
-        """name -> ``_summary`` of each argument of ComfyUI's later call (None: not known)."""
-        if self._later is None:
+        """name -> ``_summary`` of each argument of ComfyUI's later call (None: it could not be observed)."""
+        if self._later is _UNKNOWN:
             self._later = self._later_call()
         return self._later
 
@@ -125,7 +127,7 @@ class CausalFrameCache(CacheSettling):
     def settles(self, value, steady) -> bool:
         if not hasattr(steady, "shape") or not hasattr(steady, "dtype"):
             return False
-        if isinstance(value, str):  # a marker: no frames held yet
+        if isinstance(value, str) and value == self.MARKER:  # no frames held yet
             return True
         if not (hasattr(value, "shape") and hasattr(value, "dtype")) or value.dtype != steady.dtype:
             return False
@@ -135,11 +137,14 @@ class CausalFrameCache(CacheSettling):
 
     def settle(self, value, steady):
         shape = tuple(steady.shape)
-        if isinstance(value, str):
+        if isinstance(value, str):  # the marker
             return torch.zeros(shape, dtype=_torch_dtype(steady.dtype), device="jax")
         missing = list(shape)
         missing[self.time_axis] = shape[self.time_axis] - value.shape[self.time_axis]
         return torch.cat([value.new_zeros(missing), value], dim=self.time_axis)
+
+
+_UNKNOWN = object()
 
 
 def _torch_dtype(dtype) -> torch.dtype:
@@ -162,8 +167,8 @@ def _summary(value) -> tuple:
 def comfy_part_calls(first_stage_model: torch.nn.Module, part: str, outer: str, sample_shape: tuple) -> list[dict]:
     """The calls ComfyUI's own code makes of ``first_stage_model``'s ``part`` ("decoder", "encoder") while its
     ``outer`` method ("decode", "encode") runs on a video of ``sample_shape``: for each call, its arguments by name
-    (``_summary``). Everything runs on ``meta`` (the model's
-    weights swapped for empty ones while it runs): nothing is computed, the model is left as it was."""
+    (``_summary``). Everything runs on ``meta`` (the model's weights swapped for empty ones while it runs): nothing
+    is computed, the model is left as it was."""
     from .program import _Holder
 
     module = getattr(first_stage_model, part)
@@ -264,16 +269,16 @@ def comfy_memory_on_runtime(devices, device: str = "jax"):
 def _split_as_views(env):
     """``torch.split`` for torchax tensors that returns views (as torch does), not copies."""
 
-    def split(tensor, split_size_or_sections, dim=0):
+    def split(tensor, split_size_or_sections=None, dim=0, *, split_size=None):  # torch.split's and the method's
         from torchax.view import NarrowInfo, View
 
+        sections = split_size_or_sections if split_size is None else split_size
         axis = dim % tensor.ndim
         size = tensor.shape[axis]
-        if isinstance(split_size_or_sections, int):
-            step = split_size_or_sections
-            sizes = [min(step, size - start) for start in range(0, size, step)] or [0]
+        if isinstance(sections, int):
+            sizes = [min(sections, size - start) for start in range(0, size, sections)] or [0]
         else:
-            sizes = [int(n) for n in split_size_or_sections]
+            sizes = [int(n) for n in sections]
         parts, start = [], 0
         for n in sizes:
             parts.append(View(tensor, view_info=NarrowInfo((slice(None),) * axis + (slice(start, start + n),)),
