@@ -48,6 +48,7 @@ import copy
 import inspect
 import logging
 import math
+import threading
 import weakref
 from typing import Callable
 
@@ -234,13 +235,17 @@ def comfy_memory_on_runtime(devices, device: str = "jax"):
     ComfyUI's ``intermediate_device`` is ``device`` (the runtime's). Asked of a device that is not torch's own,
     ComfyUI would ask CUDA (LTX-Video's VAE sizes its chunks by it in ComfyUI 0.33); a tensor a part makes on the host
     inside a program could not take its traced values (LTX-Video's decoder writes its frames into a buffer it makes
-    there when none is passed)."""
+    there when none is passed). Other threads (the server's) get ComfyUI's own answers."""
     import comfy.model_management as mm
 
     originals = {name: getattr(mm, name) for name in ("get_total_memory", "get_free_memory", "intermediate_device")}
+    tracer = threading.get_ident()
 
     def on_runtime(dev) -> bool:
-        return getattr(dev, "type", None) in ("jax", "meta")
+        return getattr(dev, "type", None) in ("jax", "meta") and threading.get_ident() == tracer
+
+    def intermediate_device():
+        return torch.device(device) if threading.get_ident() == tracer else originals["intermediate_device"]()
 
     def get_total_memory(dev=None, torch_total_too=False):
         if not on_runtime(dev):
@@ -255,7 +260,7 @@ def comfy_memory_on_runtime(devices, device: str = "jax"):
         return (free, free) if torch_free_too else free
 
     replacements = {"get_total_memory": get_total_memory, "get_free_memory": get_free_memory,
-                    "intermediate_device": lambda: torch.device(device)}
+                    "intermediate_device": intermediate_device}
     try:
         for name, value in replacements.items():
             setattr(mm, name, value)
