@@ -1,7 +1,8 @@
 """TPU VAE and TPU Text Encoder in a process of their own (meshes need XLA_FLAGS before JAX starts): a tiny Wan VAE
 decodes and a tiny umT5 encodes natively and through the nodes on each mesh; prints one JSON line.
 
-usage: python bridge_vae_text_worker.py MESH [MESH ...]      (a MESH is "auto" or "dp=N,sp=N,tp=N")
+usage: python bridge_vae_text_worker.py [--comfy VERSION] MESH [MESH ...]
+       (a MESH is "auto" or "dp=N,sp=N,tp=N"; VERSION one of comfy_native.COMFYUI_TREES, default its default tree)
 """
 
 import json
@@ -13,9 +14,13 @@ from comfy_native import comfyui_session, load_pack, relative
 
 def main():
     meshes = sys.argv[1:]
-    with comfyui_session(), torch.inference_mode():
+    version = None
+    if meshes[:1] == ["--comfy"]:
+        version, meshes = meshes[1], meshes[2:]
+    with comfyui_session(version), torch.inference_mode():
         pack = load_pack()
         import comfy.ldm.wan.vae as wan_vae
+        import comfyui_version
         import nodes
 
         from tpu_runtime.bridge.text import bridged_text_models
@@ -26,12 +31,14 @@ def main():
         z = torch.randn(1, 16, 3, 8, 8, generator=torch.Generator().manual_seed(5))
         native_frames = nodes.VAEDecode().decode(vae, {"samples": z})[0]
         native_text = nodes.CLIPTextEncode().encode(clip, "a red fox in the snow")[0][0][0]
-        report = {"devices": None, "meshes": {}}
+        report = {"devices": None, "comfyui": comfyui_version.__version__, "meshes": {}}
+        # the length of the cache list ComfyUI gives the decoder (0.33 counts its downsampling slots too)
+        slots = (getattr(wan_vae, "count_cache_layers", None) or wan_vae.count_conv3d)(vae.first_stage_model.decoder)
         for mesh in meshes:
             on_tpu = pack.NODE_CLASS_MAPPINGS["TPUVAE"]().apply(vae, mesh=mesh)[0]
             frames = nodes.VAEDecode().decode(on_tpu, {"samples": z})[0]
             decoder = bridged_parts(on_tpu)["decoder.forward"]
-            cache = [None] * wan_vae.count_conv3d(vae.first_stage_model.decoder)
+            cache = [None] * slots
             decoder(z[:, :, :1], feat_cache=cache, feat_idx=[0])  # the caches a first chunk leaves on the devices
             carried = next(v.array for v in cache if v is not None and not isinstance(v, str) and len(v.shape) == 5)
             text_on_tpu = pack.NODE_CLASS_MAPPINGS["TPUTextEncoder"]().apply(clip, mesh=mesh)[0]

@@ -80,7 +80,7 @@ def test_umt5_xxl_and_the_wan_vae_at_their_released_sizes(comfy):
     assert shard_bytes(text.weights) < 1.1 * whole / 8
 
     vae = COMPONENTS["wan2.1-vae"].build()
-    first, later = decode_programs(vae.decoder, (1, 16, 1, 90, 160), devices, None, None, "Wan VAE")
+    first, later = decode_programs(vae, (1, 16, 1, 90, 160), devices, None, None, "Wan VAE")
     vae_bytes = sum(p.numel() * 2 for p in vae.decoder.parameters())
     assert shard_bytes(first.weights) == vae_bytes  # a few hundred MB: whole on every chip
     assert str(first.mesh) == "dp=1,sp=8,tp=1"

@@ -9,7 +9,8 @@ through torchax — with their weights and inputs as shape structs placed as the
 - ``text_program``: a text model's ``forward`` for one padded prompt, with the embeddings ComfyUI looks up on the
   host (TPU Text Encoder);
 - ``decode_programs``: a causal video VAE's decoder as its two programs, the first latent frame and every later
-  one, the convolution caches carried between them in their steady form (TPU VAE).
+  chunk as the ComfyUI in use chunks it (one latent frame in 0.3.64, two in 0.33), the convolution caches carried
+  between them in their steady form (TPU VAE).
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ import torch
 from ..engine.attention import AttentionConfig
 from ..engine.sharding import MeshSpec, parse_mesh
 from . import quantized
-from .calls import DeviceValue, split_call
+from .calls import split_call
 from .comfy import comfy_attention, comfy_attention_on_runtime
-from .program import BridgedModule, _lists_of
+from .program import BridgedModule
 from .rules import rules_for, text_rules_for
 from .text import embedding_weights
-from .vae import VAE_RULES, CausalFrameCache, frame_spec
+from .vae import VAE_RULES, CausalFrameCache, comfy_part_calls, frame_spec, part_trace_context
 
 
 @dataclass
@@ -122,48 +123,60 @@ def text_program(module: torch.nn.Module, tokens: int, devices: list, mesh_text:
     return PlannedProgram("encode", fn, weights, bridged._abstract_inputs(split), spec, describe, "text_encoder")
 
 
-def decode_programs(decoder: torch.nn.Module, latent: tuple[int, ...], devices: list, mesh_text: str | None,
+def decode_programs(vae_model: torch.nn.Module, latent: tuple[int, ...], devices: list, mesh_text: str | None,
                     attention: AttentionConfig | None, describe: str) -> list[PlannedProgram]:
-    """A causal VAE decoder (ComfyUI's Wan VAEs: one latent frame a call, a list of causal-convolution caches carried
-    between calls) as TPU VAE runs it: the first frame's program, which leaves the caches in their steady form,
-    and the program of every later frame, which takes them; frames split over the mesh along their width."""
+    """A causal VAE's decoder (ComfyUI's Wan VAEs: a list of causal-convolution caches carried between calls) as TPU
+    VAE runs it, for latents of ``latent``'s frame size: the first chunk's program, which leaves the caches in their
+    steady form, and the steady program of every later chunk, which takes them and leaves them the same; frames split
+    over the mesh along their width. The chunks are those ComfyUI's own ``decode`` makes (observed on ``meta``, see
+    ``vae.comfy_part_calls``): one latent frame a call in ComfyUI 0.3.64, the first frame and then two a call in
+    0.33."""
     import jax
 
     from ..engine.runtime import get_runtime, tracing
 
-    first_chunk = "first_chunk" in type(decoder).forward.__code__.co_varnames
+    decoder = vae_model.decoder
+    calls = comfy_part_calls(vae_model, "decoder", "decode", (1, latent[1], 5, *latent[3:]))
+    if len(calls) < 3:
+        raise ValueError(f"{type(vae_model).__name__} decodes without chunks: it has no later-chunk program")
     bridged = BridgedModule(module=decoder, method=type(decoder).forward, rules=VAE_RULES,
                             attention=attention or AttentionConfig(), options_arg=None, mutable_lists=True,
-                            settle=CausalFrameCache(), input_spec=frame_spec,
-                            trace_context=lambda: comfy_attention_on_runtime(decoder), label=type(decoder).__name__)
+                            settle=CausalFrameCache(lambda: calls[1]), input_spec=frame_spec,
+                            trace_context=lambda: part_trace_context(decoder, ()), label=type(decoder).__name__)
     spec = _on_mesh(bridged, mesh_text, devices)
     weights = abstract_weights(bridged)
-    slots = sum(1 for m in decoder.modules() if type(m).__name__ == "CausalConv3d")
-    x = torch.empty(*latent, dtype=next(decoder.parameters()).dtype, device="meta")
-    keyword = {"feat_cache": [None] * slots, "feat_idx": [0], **({"first_chunk": True} if first_chunk else {})}
-    positional, keyword, _ = bridged._arguments((x,), keyword)
+    dtype = next(decoder.parameters()).dtype
+    positional, keyword, _ = bridged._arguments((), _recorded_arguments(calls[0], dtype))
     first = split_call((positional, keyword))
     plan = bridged._settle_plan(first, None, {}, weights, positional, keyword)
     fn, _, layouts = bridged.program_function(first, None, bridged.mesh, {}, plan)
     first_inputs = bridged._abstract_inputs(first)
     with tracing():
         _, arrays = jax.eval_shape(fn, weights, first_inputs)
-    cache_index = next(i for i, values in enumerate(_lists_of(positional, keyword)) if values is keyword["feat_cache"])
     runtime, mesh = get_runtime(), bridged.mesh
 
-    def carried(kind, ref):
-        if kind != "array":
-            return ref
-        a = arrays[ref]
-        return DeviceValue(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=runtime.sharding(
-            mesh, bridged._spec(tuple(a.shape), mesh))))
+    def placed(a):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=runtime.sharding(mesh, bridged._spec(tuple(a.shape))))
 
-    caches = [carried(kind, ref) for kind, ref in layouts[cache_index]]
-    later_keyword = {k: v for k, v in keyword.items() if k != "first_chunk"}
-    later_keyword.update(feat_cache=caches, feat_idx=[0])
-    later = split_call((positional, later_keyword))
+    left = [[placed(arrays[ref]) if kind == "array" else ref for kind, ref in layout] for layout in layouts]
+    later = bridged._probe_call(*bridged.settle.probe(list(positional), dict(keyword)), left)
     later_fn, _, _ = bridged.program_function(later, None, mesh, {}, None)
+    frames = next((shape[2] for kind, shape in calls[1].values() if kind == "tensor" and len(shape) == 5), None)
+    chunk = "latent frame" if frames == 1 else f"chunk of {frames} latent frames" if frames else "chunk"
     return [PlannedProgram("decode_first", fn, weights, first_inputs, spec, f"{describe}: the first latent frame",
                            "vae"),
             PlannedProgram("decode_later", later_fn, weights, bridged._abstract_inputs(later), spec,
-                           f"{describe}: every later latent frame, the caches carried on the devices", "vae")]
+                           f"{describe}: every later {chunk}, the caches carried on the devices", "vae")]
+
+
+def _recorded_arguments(call: dict, dtype) -> dict:
+    """The keyword arguments of a recorded call (``vae.comfy_part_calls``), tensors on ``meta``."""
+    arguments = {}
+    for name, (kind, value) in call.items():
+        if kind == "tensor":
+            arguments[name] = torch.empty(value, dtype=dtype, device="meta")
+        elif kind == "list":
+            arguments[name] = list(value)
+        else:
+            arguments[name] = value
+    return arguments

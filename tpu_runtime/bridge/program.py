@@ -17,7 +17,8 @@ torch modules, and torchax traces their own code into a JAX program. It knows no
   as ``input_spec`` says so that the next call takes them as they are. A cache list changes its structure over
   the first calls (ComfyUI's Wan VAE: empty, then markers and one-frame caches, then steady two-frame caches): a
   ``CacheSettling`` policy lets the first call's program return the caches already in their steady form (found by
-  tracing the next call abstractly), so that the second call runs the same program as every later one.
+  tracing later calls abstractly, each from what the one before left, until the first call's caches can be settled
+  into a later call's), so that the second call runs the program of the later calls.
 - **Recorded arguments**: ``recorded_args`` name list arguments (a text model's ``num_tokens``) that key a program
   only when the model reads them (``calls.RecordedSequence``).
 """
@@ -54,11 +55,17 @@ class UntraceableModel(InputError):
 
 
 class CacheSettling:
-    """How the lists a bridged method mutates (a causal cache) reach their steady form: ``probe`` gives the
-    arguments of the call after the first one (the lists themselves are filled in by the caller), ``settle`` turns
-    one value the first call left in a list into the value of the steady form (inside the traced program), or
-    returns ``None`` when it cannot (the value is then left as it is, and the second call compiles a program of
-    its own)."""
+    """How the lists a bridged method mutates (a causal cache) reach their steady form.
+
+    ``probe`` gives the arguments of a later call from the first call's (the lists themselves are filled in by the
+    caller); the bridge traces such later calls one after another without data until the caches the first call left
+    can be turned into the caches some later call left (``settles`` says which values can be; the caches of a later
+    call may first pass through forms of their own, as an encoder's deferred downsampling slots do). The first
+    call's program then returns its caches in that form (``settle``, inside the traced program), so that the second
+    call runs the program of the calls that follow that later one. ``probe_steps`` bounds how many later calls are
+    traced ahead; without a steady form the second call compiles a program of its own."""
+
+    probe_steps = 8
 
     def probe(self, positional: list, keyword: dict) -> tuple[list, dict]:
         return positional, keyword
@@ -68,9 +75,14 @@ class CacheSettling:
         caches), the list as it was passed otherwise (an index the caller starts again from 0)."""
         return after if any(_is_struct(v) for v in after) else before
 
+    def settles(self, value: Any, steady: Any) -> bool:
+        """Whether ``settle`` turns ``value`` (what the first call left: a ``jax.ShapeDtypeStruct`` for an array,
+        else the Python value) into ``steady`` (what a later call leaves, in the same form)."""
+        return False
+
     def settle(self, value: Any, steady: Any) -> Any:
-        """``value``: what the first call left (a traced tensor or a Python value); ``steady``: what the next call
-        leaves there (a ``jax.ShapeDtypeStruct`` for an array, else the Python value)."""
+        """``value``: what the first call left (a traced tensor or a Python value); ``steady``: what the later call
+        leaves there (a ``jax.ShapeDtypeStruct``, where ``settles`` said yes)."""
         return None
 
 
@@ -454,37 +466,64 @@ class BridgedModule:
         return [[arrays[ref] if kind == "array" else ref for kind, ref in layout] for layout in layouts]
 
     def _settle_plan(self, call, options, recorded, state, positional, keyword) -> list | None:
-        """For a first call (its lists hold no arrays yet), what each list item settles to: the items the next
-        call leaves, found by tracing the first call and then the next one (``settle.probe``) without data."""
+        """For a first call (its lists hold no arrays yet), what each list item settles to: the items some later call
+        leaves, found by tracing the first call and then later ones (``settle.probe``) without data, each taking
+        what the one before left, until the first call's items can be settled into a later call's (see
+        ``CacheSettling``)."""
         lists = _lists_of(positional, keyword)
         if not lists or any(isinstance(v, (torch.Tensor, DeviceValue)) for values in lists for v in values):
             return None
         try:
             first = self._abstract_layouts(call, options, recorded, state)
+            if not any(_is_struct(v) for values in first for v in values):
+                return None  # the call carries nothing to the next one (ComfyUI's Wan VAE without a cache)
             probe_positional, probe_keyword = self.settle.probe(list(positional), dict(keyword))
-            filled = iter(first)
-
-            def fill(value):
-                if not isinstance(value, list):
-                    return value
-                return [DeviceValue(v) if _is_struct(v) else v for v in self.settle.carried(list(value), next(filled))]
-
-            probe = split_call(([fill(v) for v in probe_positional], {k: fill(v) for k, v in probe_keyword.items()}))
-            steady = self._abstract_layouts(probe, options, recorded, state)
+            left = first
+            for _ in range(self.settle.probe_steps):
+                probe = self._probe_call(probe_positional, probe_keyword, left)
+                left = self._abstract_layouts(probe, options, recorded, state)
+                plan = self._plan_towards(first, left)
+                if plan is not _UNSETTLED:
+                    return plan
         except Exception as error:  # noqa: BLE001 - a probe that does not fit only costs the second call a program
             log.info("%s: the caches' steady form could not be found ahead (%s: %s); the second call compiles a "
                      "program of its own", self.label, type(error).__name__, error)
             return None
+        log.info("%s: the caches reach no form the first call's can settle into within %d later calls; the second "
+                 "call compiles a program of its own", self.label, self.settle.probe_steps)
+        return None
+
+    def _probe_call(self, positional: list, keyword: dict, left: list):
+        """The probe's call with each of its lists holding what the call before left in it (``settle.carried``)."""
+        filled = iter(left)
+
+        def fill(value):
+            if not isinstance(value, list):
+                return value
+            return [DeviceValue(v) if _is_struct(v) else v for v in self.settle.carried(list(value), next(filled))]
+
+        return split_call(([fill(v) for v in positional], {k: fill(v) for k, v in keyword.items()}))
+
+    def _plan_towards(self, first: list, later: list):
+        """Per list, per item, the value the first call's item settles to so that every list that carries arrays
+        holds what ``later`` holds (``None``: already the same); ``_UNSETTLED`` where an item cannot be settled,
+        ``None`` where nothing needs to be."""
         plan, changes = [], 0
-        for before, after in zip(first, steady):
+        for before, after in zip(first, later):
+            if not any(_is_struct(v) for v in after):  # an index list: the caller passes it afresh
+                plan.append([None] * len(before))
+                continue
+            if len(before) != len(after):
+                return _UNSETTLED
             row = []
-            for i, value in enumerate(before):
-                target = after[i] if i < len(after) else None
-                same = (_is_struct(value) and _is_struct(target) and value.shape == target.shape
-                        and value.dtype == target.dtype) or (not _is_struct(value) and not _is_struct(target)
-                                                             and value == target)
-                row.append(None if same or target is None else target)
-                changes += not same and target is not None
+            for value, target in zip(before, after):
+                if _same_item(value, target):
+                    row.append(None)
+                elif self.settle.settles(value, target):
+                    row.append(target)
+                    changes += 1
+                else:
+                    return _UNSETTLED
             plan.append(row)
         return plan if changes else None
 
@@ -555,6 +594,17 @@ def _is_struct(value) -> bool:
     import jax
 
     return isinstance(value, jax.ShapeDtypeStruct)
+
+
+_UNSETTLED = object()
+
+
+def _same_item(value, target) -> bool:
+    """Whether two items of a list (shape structs or Python values) are the same for a program's structure."""
+    if _is_struct(value) or _is_struct(target):
+        return (_is_struct(value) and _is_struct(target) and value.shape == target.shape
+                and value.dtype == target.dtype)
+    return type(value) is type(target) and value == target
 
 
 def _out_of_memory(error: BaseException) -> bool:

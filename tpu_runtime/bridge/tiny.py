@@ -92,7 +92,7 @@ LTXV_TINY_VAE = {
     "use_quant_conv": False, "causal_decoder": False, "timestep_conditioning": True,
 }
 
-VAE_KINDS = ("wan2.1", "wan2.2", "hunyuan_video", "ltxv", "image", "taesd")
+VAE_KINDS = ("wan2.1", "wan2.2", "hunyuan_video", "ltxv", "image", "taesd", "minimax_h3")
 
 
 def tiny_vae(kind: str, seed: int = 0, dtype=torch.float32, width: int = 8):
@@ -137,11 +137,25 @@ def tiny_vae(kind: str, seed: int = 0, dtype=torch.float32, width: int = 8):
         metadata = {"config": json.dumps({"vae": LTXV_TINY_VAE})}
         reduce = contextlib.nullcontext(None)
         build = lambda cls: module.VideoVAE(config=LTXV_TINY_VAE)  # noqa: E731
+    elif kind == "minimax_h3":  # ComfyUI 0.33's MiniMax H3 video VAE, which tiles the video itself
+        import comfy.ldm.minimax.vae as module
+
+        reduce = _minimax_reduced(module, width)
+        build = lambda cls: cls()  # noqa: E731
     else:
         raise ValueError(f"unknown VAE kind {kind!r}: one of {VAE_KINDS}")
     with reduce as cls:
         state = random_state(build(cls), seed)
         return comfy.sd.VAE(sd=state, dtype=dtype, metadata=metadata)
+
+
+@contextlib.contextmanager
+def _minimax_reduced(module, width: int):
+    """MiniMax H3's VAE at ``width`` base channels (32 at least: it is group-normalised), its ViT decoder one small
+    block deep."""
+    with _reduced(module, "ViT3DDecoder", num_layers=1, heads=2, dim_head=16), \
+            _reduced(module, "MiniMaxH3VideoVAE", ch=max(32, width), num_res_blocks=1) as cls:
+        yield cls
 
 
 def save_wan_vae(path: Path, seed: int, dtype=torch.bfloat16) -> Path:

@@ -83,7 +83,7 @@ def _component_programs(arch, stage: str, topo: Topology, height: int, width: in
     c = COMPONENTS[arch.vae]
     t, s = c.compression
     latent = (1, c.config["z_dim"], 1, height // s, width // s)
-    return decode_programs(c.build().decoder, latent, topo.devices(), None, attention,
+    return decode_programs(c.build(), latent, topo.devices(), None, attention,
                            f"ComfyUI {c.label} decode at {width}x{height}x{frames}")
 
 
