@@ -1,7 +1,8 @@
-"""The first process of a two-process slice running ComfyUI's own sampling through TPU Diffusion Model (the workers
-run `python -m tpu_runtime worker` and never import ComfyUI); it also samples natively, and prints one JSON line.
+"""The first process of a two-process slice running ComfyUI's own sampling through TPU Diffusion Model and a Wan
+VAE's chunked decode through TPU VAE (the workers run `python -m tpu_runtime worker` and never import ComfyUI); it
+also samples and decodes natively, and prints one JSON line.
 
-usage: python bridge_slice_job.py MODEL_FILE MESH [MESH ...]
+usage: python bridge_slice_job.py MODEL_FILE MESH [MESH ...]   (the ComfyUI tree: $TPU_VIDEO_COMFYUI or the default)
 """
 
 import json
@@ -33,7 +34,26 @@ def main():
             bridged = next(v for k, v in on_tpu.object_patches.items() if k.startswith("diffusion_model.")).bridged
             report["meshes"][mesh] = {"relative": relative(out, native), "calls": bridged.stats.calls,
                                       "programs": bridged.stats.programs, "finite": bool(again.isfinite().all())}
+        report["vae"] = decode_on_the_slice(pack)
     print("REPORT " + json.dumps(report), flush=True)
+
+
+def decode_on_the_slice(pack) -> dict:
+    """A causal Wan VAE decodes chunk by chunk with its caches kept on the devices of both processes."""
+    import nodes
+
+    from tpu_runtime.bridge.tiny import tiny_vae
+    from tpu_runtime.bridge.vae import bridged_parts
+
+    vae = tiny_vae("wan2.1", seed=4)
+    latents = torch.randn(1, vae.latent_channels, 5, 4, 4, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        native = nodes.VAEDecode().decode(vae, {"samples": latents})[0]
+        on_tpu = pack.NODE_CLASS_MAPPINGS["TPUVAE"]().apply(vae, mesh="dp=1,sp=2,tp=4")[0]
+        out = nodes.VAEDecode().decode(on_tpu, {"samples": latents})[0]
+    decoder = bridged_parts(on_tpu)["decoder.forward"]
+    return {"relative": relative(out, native), "calls": decoder.stats.calls, "programs": decoder.stats.programs,
+            "label": decoder.label}
 
 
 if __name__ == "__main__":

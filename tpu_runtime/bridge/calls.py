@@ -38,10 +38,11 @@ class DeviceValue:
     """A value that lives on the devices between two calls of a bridged method (a causal VAE's convolution cache):
     the host holds this handle, the program takes the array itself. Shape and dtype are the array's."""
 
-    __slots__ = ("array",)
+    __slots__ = ("array", "key")
 
-    def __init__(self, array):
+    def __init__(self, array, key: str | None = None):
         self.array = array
+        self.key = key  # on a multi-host slice: the name every process holds its shards of the array under
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -331,7 +331,9 @@ class BridgedModule:
         self.stats.calls += 1
         start = time.perf_counter()
         if self._slice() is not None:
-            result = self._run_on_slice(variant, call, state)
+            result, arrays, keys = self._run_on_slice(variant, call, state)
+            if self.mutable_lists:
+                _write_back(_lists_of(positional, keyword), variant.list_layouts, arrays, keys)
             self.stats.call_seconds += time.perf_counter() - entered - compiled
             return result
         inputs = self._inputs(call)
@@ -356,15 +358,24 @@ class BridgedModule:
         return result
 
     def _run_on_slice(self, variant: _Variant, call, state):
-        """A call on a multi-host slice: its inputs sent to every process, the program run on all of them."""
+        """A call on a multi-host slice: its host inputs sent to every process, the program run on all of them.
+        Values an earlier call left on the devices (a causal VAE's caches) stay there: every process holds its
+        shards of them under the same keys, and the call names them. Returns (result, arrays left in the call's
+        lists, their keys)."""
         from ..engine.dtypes import host_array
 
-        if any(isinstance(leaf, DeviceValue) for leaf in call.leaves):
-            raise InputError(f"{self.label}: values kept on the devices between calls (a VAE's cache) are not "
-                             "replayed on a multi-host slice yet: use TPU VAE on a single host")
-        inputs = [host_array(leaf) for leaf in call.leaves]
-        return self._driver.run(self.mesh, state, variant.executable, variant.number, inputs,
-                                [self._spec(tuple(leaf.shape)) for leaf in call.leaves])
+        inputs, specs, order = [], [], []
+        for leaf in call.leaves:
+            if isinstance(leaf, DeviceValue):
+                if leaf.key is None:
+                    raise InputError(f"{self.label}: a value kept on this process's devices was passed to a program "
+                                     "that runs on the whole slice: start the decode again")
+                order.append(["device", leaf.key])
+            else:
+                order.append(["host", len(inputs)])
+                inputs.append(host_array(leaf))
+                specs.append(self._spec(tuple(leaf.shape)))
+        return self._driver.run(self.mesh, state, variant.executable, variant.number, inputs, specs, order)
 
     def _memory_error(self, call, error) -> InputError:
         return InputError(f"{self.label} ran out of device memory for {_describe(call)} on mesh "
@@ -532,9 +543,6 @@ class BridgedModule:
         same serialized module."""
         from ..multihost.bridge import export_program
 
-        if self.mutable_lists:
-            raise InputError(f"{self.label}: a module that keeps values on the devices between calls (a VAE's "
-                             "cache) is not replayed on a multi-host slice yet: use TPU VAE on a single host")
         names = list(state)
         weights = dict(zip(names, _structs(state[n] for n in names)))
         example = self._abstract_inputs(call)
@@ -617,11 +625,13 @@ def _lists_of(positional, keyword) -> list[list]:
     return [v for v in list(positional) + list(keyword.values()) if isinstance(v, list)]
 
 
-def _write_back(targets: list[list], layouts: list, arrays) -> None:
-    """Give the caller's lists the values the program left in them: arrays stay on the devices (``DeviceValue``),
-    other values (indices, ``None``) as they were when traced."""
+def _write_back(targets: list[list], layouts: list, arrays, keys=None) -> None:
+    """Give the caller's lists the values the program left in them: arrays stay on the devices (``DeviceValue``,
+    with the key every process of a slice holds it under), other values (indices, ``None``) as they were when
+    traced."""
     for target, layout in zip(targets, layouts):
-        target[:] = [DeviceValue(arrays[ref]) if kind == "array" else ref for kind, ref in layout]
+        target[:] = [DeviceValue(arrays[ref], keys[ref] if keys else None) if kind == "array" else ref
+                     for kind, ref in layout]
 
 
 class _Holder(torch.nn.Module):

@@ -9,7 +9,9 @@ alike is what touches the devices, so a bridged module on a slice replays exactl
 - ``program``: a compiled program, as a serialized ``jax.export`` of what the first process traced (the workers
   need neither ComfyUI nor torch code to run it; every process compiles the same StableHLO);
 - ``run``: one model call: its input tensors broadcast the same way, the program run everywhere, its result
-  gathered (the first process returns it, the workers drop it);
+  gathered (the first process returns it, the workers drop it). Arrays the program leaves for the next call (a
+  causal VAE's caches) stay on the devices: every process keeps its shards of them under keys the first process
+  names (``<call>:<index>``), and the next call names the keys it takes instead of sending them;
 - ``release``: the device weights dropped.
 """
 
@@ -87,13 +89,23 @@ def _place(runtime, mesh, state: dict, names: list[str], metas: list, specs: lis
         state[name] = runtime.put(array, runtime.sharding(mesh, tuple(spec)))
 
 
-def _run(runtime, mesh, state: dict, executable, metas: list, specs: list, values: list | None):
-    """Broadcast the inputs, run the program, gather its result on every process (the first returns it)."""
+def _run(runtime, mesh, state: dict, executable, metas: list, specs: list, values: list | None, order: list,
+         kept: dict, serial: int):
+    """Broadcast the host inputs, run the program on them and the device values ``order`` names (``kept``: key ->
+    array), gather its result on every process (the first returns it). The arrays the program leaves replace
+    ``kept``'s, under the keys ``<serial>:<index>``; returns (result, those arrays, their keys)."""
     data = pack(values) if values is not None else None
     arrays = unpack(broadcast_bytes(data, _size(metas)), metas)
-    inputs = [runtime.put(a, runtime.sharding(mesh, tuple(s))) for a, s in zip(arrays, specs)]
-    out, _ = executable(state, inputs)
-    return runtime.to_cpu(out)
+    host = [runtime.put(a, runtime.sharding(mesh, tuple(s))) for a, s in zip(arrays, specs)]
+    missing = [ref for kind, ref in order if kind == "device" and ref not in kept]
+    if missing:
+        raise RuntimeError(f"the devices hold no value named {missing[0]} (a cache of an earlier call)")
+    inputs = [kept[ref] if kind == "device" else host[ref] for kind, ref in order]
+    out, left = executable(state, inputs)
+    keys = [f"{serial}:{i}" for i in range(len(left))]
+    kept.clear()
+    kept.update(zip(keys, left))
+    return runtime.to_cpu(out), left, keys
 
 
 def _mesh(runtime, sizes: list[int]):
@@ -117,6 +129,8 @@ class DriverBridge:
     def __init__(self, slice_, runtime, label: str):
         self.slice, self.runtime, self.label = slice_, runtime, label
         self.uid = next(_ids)
+        self.kept: dict = {}  # the arrays the last call left on the devices, by key (as every worker keeps them)
+        self.calls = itertools.count(1)
 
     def _call(self, method: str, args: tuple, run):
         return self.slice.call("bridge", None, method, args, {}, lambda a, k: run(), cls_name=f"bridge {self.label}")
@@ -133,13 +147,19 @@ class DriverBridge:
     def add_program(self, number: int, blob: bytes) -> None:
         self._call("program", (self.uid, number, blob), lambda: None)
 
-    def run(self, mesh, state: dict, executable, number: int, inputs: list[np.ndarray], specs: list[tuple]):
+    def run(self, mesh, state: dict, executable, number: int, inputs: list[np.ndarray], specs: list[tuple],
+            order: list):
+        """One call: ``inputs`` (host arrays) and the kept device values ``order`` names, in the program's order.
+        Returns (result, arrays left for the next call, their keys)."""
         metas = [_meta(a) for a in inputs]
         specs = [list(s) for s in specs]
-        return self._call("run", (self.uid, number, metas, specs),
-                          lambda: _run(self.runtime, mesh, state, executable, metas, specs, inputs))
+        serial = next(self.calls)
+        return self._call("run", (self.uid, number, metas, specs, order, serial),
+                          lambda: _run(self.runtime, mesh, state, executable, metas, specs, inputs, order, self.kept,
+                                       serial))
 
     def release(self) -> None:
+        self.kept.clear()
         self._call("release", (self.uid,), lambda: None)
 
 
@@ -162,6 +182,7 @@ class _WorkerModule:
     mesh: Any = None
     state: dict = field(default_factory=dict)
     programs: dict = field(default_factory=dict)
+    kept: dict = field(default_factory=dict)  # arrays the last call left on the devices, by key
 
 
 _modules: dict[int, _WorkerModule] = {}
@@ -181,10 +202,12 @@ def worker_call(runtime, method: str, args: list):
         _, number, blob = args
         module.programs[number] = compile_exported(blob)
     elif method == "run":
-        _, number, metas, specs = args
-        _run(runtime, module.mesh, module.state, module.programs[number], metas, specs, None)
+        _, number, metas, specs, order, serial = args
+        _run(runtime, module.mesh, module.state, module.programs[number], metas, specs, None, order, module.kept,
+             serial)
     elif method == "release":
         module.state.clear()
+        module.kept.clear()
     else:
         raise ValueError(f"unknown bridge call {method!r}")
     return None
