@@ -35,6 +35,12 @@ def main():
             report["meshes"][mesh] = {"relative": relative(out, native), "calls": bridged.stats.calls,
                                       "programs": bridged.stats.programs, "finite": bool(again.isfinite().all())}
         report["vae"] = decode_on_the_slice(pack)
+        from tpu_runtime.bridge import auto
+
+        automatic = auto.on_runtime("model", model, "UNETLoader")  # the automatic mode's path for a loader's MODEL
+        out = sample(automatic, latent, positive, negative, cfg=4.0)
+        bridged = next(v for k, v in automatic.object_patches.items() if k.startswith("diffusion_model.")).bridged
+        report["automatic"] = {"relative": relative(out, native), "calls": bridged.stats.calls}
     print("REPORT " + json.dumps(report), flush=True)
 
 

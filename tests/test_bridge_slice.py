@@ -1,7 +1,8 @@
 """TPU Diffusion Model and TPU VAE on a slice of two processes (4 CPU devices each): ComfyUI (the newest tree) runs
 in the first process only, the second is `python -m tpu_runtime worker` (it never imports ComfyUI); every model call
-of ComfyUI's sampler runs on the 8-device mesh across both, and so does every chunk of a causal Wan VAE's decode,
-its caches kept on the devices of both processes between chunks; both equal ComfyUI's native run."""
+of ComfyUI's sampler runs on the 8-device mesh across both (with the TPU node, and in the automatic mode), and so does
+every chunk of a causal Wan VAE's decode, its caches kept on the devices of both processes between chunks; all equal
+ComfyUI's native run."""
 
 import subprocess
 import sys
@@ -39,9 +40,12 @@ def test_comfyuis_sampler_on_a_two_process_slice(tmp_path):
         assert result["relative"] < 1e-4, (mesh, result)
         # two samplings of 4 steps, cond and uncond one batch: 8 calls, one program (the second seed compiles nothing)
         assert result["programs"] == 1 and result["calls"] == 8 and result["finite"]
-    # the worker ran every model call of both meshes
-    assert worker_log.count("bridge WanModel run") == sum(r["calls"] for r in report["meshes"].values())
-    assert worker_log.count("bridge WanModel program") == 2  # one program a mesh, sent once
+    # the automatic mode runs a loader's model on the slice as the node does
+    assert report["automatic"]["relative"] < 1e-4 and report["automatic"]["calls"] == 4
+    # the worker ran every model call of both meshes and of the automatic mode's
+    runs = sum(r["calls"] for r in report["meshes"].values()) + report["automatic"]["calls"]
+    assert worker_log.count("bridge WanModel run") == runs
+    assert worker_log.count("bridge WanModel program") == 3  # one program a mesh (the automatic mode's: auto), once
     vae = report["vae"]  # 5 latent frames: several decoder calls, the caches of each kept on both processes
     assert vae["relative"] < 1e-4 and vae["calls"] >= 3, vae
     assert worker_log.count(f"bridge {vae['label']} run") == vae["calls"]
