@@ -222,7 +222,7 @@ def _plan_native(args: argparse.Namespace) -> int:
     for topology in [parse_topology(t) for t in args.topology.split(",")]:
         report = plan_native(args.comfy_model, args.comfy, topology, height=args.height, width=args.width,
                              frames=args.frames, guidance=args.guidance, mesh=args.mesh, layers=args.layers,
-                             attention=attention, compare=not args.no_compare, stages=stages)
+                             attention=attention, compare=not args.no_compare, stages=stages, steps=args.steps)
         print(format_native_report(report), flush=True)
         reports.append(asdict(report))
         if args.json:
