@@ -112,6 +112,34 @@ def test_the_compiler_counts_no_splash_work_and_the_added_term_is_its_matrix_pro
     assert cost.seconds == cost.compiler_seconds + cost.attention_seconds
 
 
+def test_kernels_are_read_by_their_operands_wherever_they_sit():
+    """HLO as the TPU compiler writes it, shortened: a kernel without operand layout constraints is read by its
+    operands' definitions; one inside a loop body is counted once and said to be; a Mosaic kernel that does not
+    take queries, keys and values is not taken for attention."""
+    from tpu_runtime.tools.plan_compile import mosaic_kernels
+
+    hlo = "\n".join([
+        "%body.1 (p: (s32[], bf16[2,256,64])) -> (s32[], bf16[2,256,64]) {",
+        "  %q.1 = bf16[2,256,64]{2,1,0} get-tuple-element(%p), index=1",
+        "  %k.1 = bf16[2,128,64]{2,1,0} parameter(1)",
+        "  %s.1 = s32[256,128]{1,0} broadcast(%c), dimensions={0}",
+        '  %kernel.1 = bf16[2,256,64]{2,1,0} custom-call(%q.1, %k.1, /*index=2*/%k.1, %s.1), '
+        'custom_call_target="tpu_custom_call", backend_config={}',
+        "}",
+        "ENTRY %main.2 (a: bf16[4,1024,128]) -> bf16[4,1024,128] {",
+        '  %kernel.2 = (f32[1024,128], bf16[4,1024,128]{2,1,0}) custom-call(%m, %m, %a, %b, %c, %seg), '
+        'custom_call_target="tpu_custom_call", operand_layout_constraints={s8[1,1,1]{2,1,0}, s8[1,1,1]{2,1,0}, '
+        'bf16[4,1024,128]{2,1,0}, bf16[4,512,128]{2,1,0}, bf16[4,512,128]{2,1,0}, s32[1024,128]{1,0}}',
+        '  %norm.3 = bf16[4,1024,128]{2,1,0} custom-call(%a, %w), custom_call_target="tpu_custom_call", '
+        "operand_layout_constraints={bf16[4,1024,128]{2,1,0}, f32[128]{0}}",
+        "  %while.4 = (s32[], bf16[2,256,64]) while(%t), condition=%cond.1, body=%body.1",
+        "}",
+    ])
+    kernels, others, looped = mosaic_kernels(hlo)
+    assert [(k.lead, k.lq, k.lk, k.d, k.dv) for k in kernels] == [(2, 256, 128, 64, 64), (4, 1024, 512, 128, 128)]
+    assert kernels[1].flops == 4 * 4 * 1024 * 512 * 128 and others == 1 and looped == 1
+
+
 def test_published_peaks_per_device():
     """The named per-chip constants become per-device rates: a v7x chip's two TensorCores are two devices."""
     v6e, v7x = parse_topology("v6e-8"), parse_topology("v7x-8")
@@ -167,25 +195,31 @@ def test_cfg_doubles_the_work_of_a_step(one_block, wan_config):
     assert no_cfg.time_bound.calls_per_step == one_block.time_bound.calls_per_step == 1
 
 
-def test_the_cost_and_the_bound_in_plans_text_and_json(one_block, tmp_path, capsys):
-    """`plan` prints the compiler's part, the part added and the bound; `--json` holds the same numbers (the
-    program is the one compiled above: planned again, it is not compiled again; other steps would change the
-    scheduler's constants in it)."""
+def test_the_cost_and_the_bound_in_plans_text_and_json(one_block, tmp_path, capsys, monkeypatch):
+    """`plan` prints the compiler's part, the part added and the bound, and `--json` writes the same numbers (the
+    command runs on the plan compiled above: compiled again, the same program would only take time)."""
+    import tpu_runtime.tools.plan as plan_module
     from tpu_runtime.tools.cli import main
 
-    text = format_report(one_block)
-    assert "LOWER BOUND on time" in text and "the compiler's part" in text and "attention kernels' " in text
-    assert "50 steps x 1 call" in text and "918 TFLOP/s" in text
+    asked = {}
+
+    def planned(source, topology, **options):
+        asked.update(options, model=source.model, topology=topology.name)
+        return one_block
+
+    monkeypatch.setattr(plan_module, "plan", planned)
     out = tmp_path / "plan.json"
-    main(["plan", "--model", MODEL, "--topology", SLICE, "--height", "128", "--width", "256", "--frames", "1",
-          "--layers", "1", "--mesh", MESH, "--stages", "sample", "--json", str(out)])
+    assert main(["plan", "--model", MODEL, "--topology", SLICE, "--height", "128", "--width", "256", "--frames", "1",
+                 "--layers", "1", "--mesh", MESH, "--stages", "sample", "--json", str(out)]) == 0
+    assert asked["layers"] == 1 and asked["stages"] == ("sample",) and asked["topology"] == SLICE
     printed = capsys.readouterr().out
-    assert "50 steps x 1 call" in printed and "+ attention TFLOP" in printed
+    assert printed.strip() == format_report(one_block)
+    assert "LOWER BOUND on time" in printed and "the compiler's part" in printed and "attention kernels' " in printed
+    assert "50 steps x 1 call" in printed and "918 TFLOP/s" in printed and "+ attention TFLOP" in printed
     data = json.loads(out.read_text())
-    cost = data["stages"]["sample"]["cost"]
-    expected = one_block.stages["sample"].cost
+    cost, expected = data["stages"]["sample"]["cost"], one_block.stages["sample"].cost
     assert cost["attention_flops"] == expected.attention_flops and cost["compiler_flops"] == expected.compiler_flops
-    assert cost["seconds"] > 0 and cost["compiler_seconds_from"] in ("optimal_seconds", ROOFLINE)
+    assert cost["seconds"] == expected.seconds > 0 and cost["compiler_seconds_from"] in ("optimal_seconds", ROOFLINE)
     bound = data["time_bound"]
     assert bound["steps"] == 50 and bound["video_seconds"] == pytest.approx(50 * cost["seconds"])
     assert f"{bound['video_seconds']:.3g} s for a video's sampling" in printed

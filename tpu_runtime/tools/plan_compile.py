@@ -287,13 +287,13 @@ def format_costs(rows: list[tuple[str, StageReport]], unit: str, label_width: in
     costed = [(label, r.cost) for label, r in rows if r.cost is not None]
     if not costed:
         return []
+    label_width = max(label_width, *(len(label) + 1 for label, _ in costed))
     lines = [f"  one call's cost per {unit}: the TPU compiler's cost_analysis, + the Mosaic attention kernels' work "
              "(which it does not count) from their shapes:",
              f"  {'program':<{label_width}}{'compiler TFLOP':>15}{'GB':>8}{'s':>10}{'+ attention TFLOP':>19}"
              f"{'GB':>8}{'s':>10}{'kernels':>8}{'= bound s':>11}"]
-    starred = [c for _, c in costed if c.compiler_seconds_from != "optimal_seconds"]
     for label, c in costed:
-        mark = "*" if c in starred else " "
+        mark = " " if c.compiler_seconds_from == "optimal_seconds" else "*"
         lines.append(f"  {label:<{label_width}}{c.compiler_flops / 1e12:>15.3f}{c.compiler_bytes / 1e9:>8.2f}"
                      f"{c.compiler_seconds:>9.3g}{mark}{c.attention_flops / 1e12:>19.3f}"
                      f"{c.attention_bytes / 1e9:>8.2f}{c.attention_seconds:>10.3g}{c.attention_kernels:>8}"
@@ -301,11 +301,18 @@ def format_costs(rows: list[tuple[str, StageReport]], unit: str, label_width: in
         if c.other_kernels or c.loop_kernels:
             lines.append(f"  {'':<{label_width}}{c.other_kernels} other Mosaic kernel(s), their work not counted; "
                          f"{c.loop_kernels} kernel(s) inside a loop, counted once")
-    if starred:
-        raw = ", ".join(sorted({f"{c.compiler_optimal_seconds:.4g}" if c.compiler_optimal_seconds is not None
-                                else "none" for c in starred}))
-        lines.append(f"  *: {ROOFLINE} (the compiler's optimal_seconds, {raw}, counts -1 s for each custom call it "
-                     "cannot cost)")
+    for label, c in costed:
+        if c.compiler_seconds_from == "optimal_seconds":
+            continue
+        raw = c.compiler_optimal_seconds
+        if raw is None:
+            why = "the compiler gave no optimal_seconds"
+        elif c.opaque_custom_calls:
+            why = (f"the compiler's optimal_seconds, {raw:.4g}, counts -1 s for each of the {c.opaque_custom_calls} "
+                   f"custom calls it cannot cost (without them: {raw + c.opaque_custom_calls:.4g})")
+        else:
+            why = f"the compiler's optimal_seconds, {raw:.4g}, is no time"
+        lines.append(f"  *{label}: {ROOFLINE}; {why}")
     return lines
 
 
@@ -318,10 +325,10 @@ def format_time_bound(bound: TimeBound | None, unit: str, why_none: str = "", st
     compiler = "its optimal_seconds" if bound.compiler_seconds_from == "optimal_seconds" else ROOFLINE
     return (f"  LOWER BOUND on time: {bound.step_seconds:.3g} s {step} = the compiler's part "
             f"{bound.compiler_seconds:.3g} ({compiler}) + the attention kernels' {bound.attention_seconds:.3g} "
-            f"(added); peaks {bound.peak_flops / 1e12:.0f} TFLOP/s and {bound.hbm_bytes_per_second / 1e9:.0f} GB/s "
-            f"a {unit} (published); {bound.steps} steps x {calls} = {bound.video_seconds:.3g} s for a video's "
-            "sampling. Not in it: collectives on the interconnect, the host, anything below peak: a real run "
-            "takes longer")
+            f"(added), at {bound.peak_flops / 1e12:.0f} TFLOP/s and {bound.hbm_bytes_per_second / 1e9:.0f} GB/s a "
+            f"{unit} (published peaks);\n    {bound.steps} steps x {calls} = {bound.video_seconds:.3g} s for a "
+            "video's sampling. Not in it: collectives on the interconnect, the host, anything below peak: a real "
+            "run takes longer")
 
 
 _COMPILED: dict[tuple, StageReport] = {}  # (topology, program text) -> report: identical programs compile once
