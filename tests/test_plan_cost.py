@@ -106,7 +106,7 @@ def test_the_compiler_counts_no_splash_work_and_the_added_term_is_its_matrix_pro
     assert cost.attention_flops == counted
 
     # No custom call the cost model cannot cost: its optimal_seconds is the compiler's part of the bound.
-    assert cost.opaque_custom_calls == 0 and cost.compiler_seconds_from == "optimal_seconds"
+    assert not cost.custom_calls and cost.compiler_seconds_from == "optimal_seconds"
     assert cost.compiler_seconds == cost.compiler_optimal_seconds > 0
     assert cost.attention_seconds == max(expected / topo.peak_flops, cost.attention_bytes / topo.hbm_bytes_per_second)
     assert cost.seconds == cost.compiler_seconds + cost.attention_seconds
@@ -158,7 +158,7 @@ def test_the_step_row_gives_the_compilers_cost_the_attention_added_and_a_lower_b
     assert cost.attention_kernels == step.mosaic_kernels == 2  # self- and cross-attention of the one block
     assert cost.attention_flops == _attention_flops(wan_config, batch=2, layers=1)
     # The compiler's part: its optimal_seconds only without custom calls it cannot cost, else the roofline.
-    if cost.opaque_custom_calls:
+    if cost.custom_calls:
         assert cost.compiler_seconds_from == ROOFLINE
         assert cost.compiler_seconds == max(cost.compiler_flops / topo.peak_flops,
                                             cost.compiler_bytes / topo.hbm_bytes_per_second)

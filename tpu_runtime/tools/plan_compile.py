@@ -12,7 +12,8 @@ import hashlib
 import logging
 import re
 import time
-from dataclasses import dataclass, replace
+from collections import Counter
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -39,16 +40,17 @@ class ProgramCost:
     can have), at the chip's published peak flops or bandwidth, whichever takes longer (``attention_seconds``).
 
     The rest is the compiler's (``compiler_seconds``): its ``optimal_seconds`` where that can be trusted, else
-    its flops and bytes at the published peaks, whichever takes longer. ``optimal_seconds`` counts -1 s for
-    every custom call the model cannot cost (``ConcatBitcast``: a Wan step with five of them came out at -4.9995
-    s), so it is used only for a program without such calls. ``seconds``, the sum, is a lower bound on one call:
-    not in it are collectives' time on the interconnect, the host, anything running below peak."""
+    its flops and bytes at the published peaks, whichever takes longer. ``optimal_seconds`` counts -1 s for each
+    ``ConcatBitcast`` custom call the TPU compiler makes (a one-block Wan step with five came out at -4.9995 s),
+    so it is used only for a program without custom calls other than Mosaic kernels. ``seconds``, the sum, is a
+    lower bound on one call: not in it are collectives' time on the interconnect, the host, anything running
+    below peak."""
 
     compiler_flops: float = 0.0
     compiler_bytes: float = 0.0
     compiler_transcendentals: float = 0.0
     compiler_optimal_seconds: float | None = None  # as the compiler reports it (None: not reported)
-    opaque_custom_calls: int = 0  # custom calls other than Mosaic kernels: each -1 s in optimal_seconds
+    custom_calls: dict[str, int] = field(default_factory=dict)  # other than Mosaic kernels, by target: count
     compiler_seconds: float = 0.0  # the compiler's part of the bound
     compiler_seconds_from: str = ""  # "optimal_seconds" or "flops and bytes at the published peaks"
     attention_kernels: int = 0
@@ -235,17 +237,17 @@ def program_cost(compiled, hlo: str, topo: Topology) -> ProgramCost | None:
     if not analysis:
         return None
     kernels, others, looped = mosaic_kernels(hlo)
-    opaque = sum(1 for target in re.findall(r'custom_call_target="([^"]*)"', hlo) if target != MOSAIC)
+    others_called = Counter(t for t in re.findall(r'custom_call_target="([^"]*)"', hlo) if t != MOSAIC)
     optimal = analysis.get("optimal_seconds")
     optimal = float(optimal) if optimal is not None else None
     cost = ProgramCost(
         compiler_flops=float(analysis.get("flops", 0.0)), compiler_bytes=float(analysis.get("bytes accessed", 0.0)),
         compiler_transcendentals=float(analysis.get("transcendentals", 0.0)), compiler_optimal_seconds=optimal,
-        opaque_custom_calls=opaque, attention_kernels=len(kernels),
+        custom_calls=dict(sorted(others_called.items())), attention_kernels=len(kernels),
         attention_flops=float(sum(k.flops for k in kernels)), attention_bytes=float(sum(k.bytes for k in kernels)),
         other_kernels=others, loop_kernels=looped, peak_flops=topo.peak_flops,
         hbm_bytes_per_second=topo.hbm_bytes_per_second)
-    if optimal is not None and np.isfinite(optimal) and optimal > 0 and not opaque:
+    if optimal is not None and np.isfinite(optimal) and optimal > 0 and not others_called:
         cost.compiler_seconds, cost.compiler_seconds_from = optimal, "optimal_seconds"
     else:
         cost.compiler_seconds = _roofline(cost.compiler_flops, cost.compiler_bytes, topo)
@@ -307,9 +309,10 @@ def format_costs(rows: list[tuple[str, StageReport]], unit: str, label_width: in
         raw = c.compiler_optimal_seconds
         if raw is None:
             why = "the compiler gave no optimal_seconds"
-        elif c.opaque_custom_calls:
-            why = (f"the compiler's optimal_seconds, {raw:.4g}, counts -1 s for each of the {c.opaque_custom_calls} "
-                   f"custom calls it cannot cost (without them: {raw + c.opaque_custom_calls:.4g})")
+        elif c.custom_calls:
+            calls = ", ".join(f"{n} {target}" for target, n in c.custom_calls.items())
+            why = (f"the compiler's optimal_seconds, {raw:.4g}, is not used: the program has custom calls its cost "
+                   f"model does not cost ({calls}; it counts -1 s for each ConcatBitcast)")
         else:
             why = f"the compiler's optimal_seconds, {raw:.4g}, is no time"
         lines.append(f"  *{label}: {ROOFLINE}; {why}")
