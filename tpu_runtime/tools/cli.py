@@ -226,7 +226,7 @@ def _plan_native(args: argparse.Namespace) -> int:
         report = plan_native(args.comfy_model, args.comfy, topology, height=args.height, width=args.width,
                              frames=args.frames, guidance=args.guidance, mesh=args.mesh, layers=args.layers,
                              attention=attention, compare=not args.no_compare, stages=stages,
-                             weights=args.comfy_weights)
+                             weights=args.comfy_weights, steps=args.steps)
         print(format_native_report(report), flush=True)
         reports.append(asdict(report))
         if args.json:

@@ -9,8 +9,10 @@ stage programs the runtime runs (``plan_programs``: text encode, the sampler ste
 torchax tracing, attention override (splash/exp2 Mosaic kernels, since the mesh is a TPU mesh) and rule tables.
 
 What it reports per stage comes from the compiler: ``memory_analysis()`` (arguments, outputs, temporaries per
-chip) and the compiled HLO (collectives, Mosaic kernels). Weights per chip are computed from the parameter
-shapes and their shardings. Run times need real hardware and are not estimated.
+chip), the compiled HLO (collectives, Mosaic kernels) and ``cost_analysis()`` (flops, bytes, the compiler's
+optimal seconds of one call; the splash kernels, which it does not count, added from their shapes), which gives a
+lower bound on the seconds of a step and of a video's sampling (``TimeBound``). Weights per chip are computed from
+the parameter shapes and their shardings. Measured run times need real hardware.
 """
 
 from __future__ import annotations
@@ -34,12 +36,16 @@ from .plan_compile import (  # noqa: F401 (compile_program and the rest are plan
     PROGRESS_EVERY,
     _PROGRESS,
     StageReport,
+    TimeBound,
     _in_background,
     _no_persistent_cache,
     _weights_alone,
     compile_program,
     count_ops,
+    format_costs,
+    format_time_bound,
     shard_bytes,
+    time_bound,
 )
 from .topology import _SLICE_SIZES, _TENSORCORE_NAMED, EXAMPLES, GIB, Topology, parse_topology  # noqa: F401
 
@@ -93,6 +99,9 @@ class PlanReport:
     suggestions: list[str] = field(default_factory=list)
     seconds: float = 0.0
     host_peak_rss_bytes: int = 0
+    steps: int = 0  # the sampling steps planned (the settings'), for the time bound
+    time_bound: TimeBound | None = None  # a lower bound on a step and a video's sampling (None: see time_note)
+    time_note: str = ""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -219,11 +228,28 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
             stage_weights=chosen.stage_weights, candidates=[{"mesh": r.mesh, "fits": r.fits, "peak_bytes_per_chip": r.peak_bytes_per_chip}
                         for r in results],
         )
+        report.steps = settings.steps
+        report.time_bound, report.time_note = sampling_bound(chosen.stages, settings.steps, cache)
         if not report.fits:
             report.suggestions = suggestions(source, base, chosen, topo, layers, stages, cfg)
     report.seconds = round(time.perf_counter() - start, 1)
     report.host_peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return report
+
+
+def sampling_bound(stages: dict[str, StageReport], steps: int, cache: str) -> tuple[TimeBound | None, str]:
+    """The lower bound on a video's sampling from the step program's cost (one call a step: its CFG batch inside),
+    or why there is none."""
+    if cache != "none":
+        return None, (f"no bound for a video's sampling with the step cache {cache}: the steps it skips decide it "
+                      "(each program's bound is above)")
+    step = stages.get("sample")
+    if step is None:
+        return None, "no bound: the sampler step was not planned (--stages)"
+    if step.cost is None:
+        return None, "no bound: the sampler step " + ("was not compiled" if not step.compiled else "has no cost "
+                                                      "analysis from this compiler")
+    return time_bound(step, steps), ""
 
 
 def planned_settings(family, source: ModelSource, height=None, width=None, frames=None, guidance=None,
@@ -480,6 +506,10 @@ def format_report(r: PlanReport) -> str:
         lines.append(f"  step cache {r.step_cache}: its residuals stay on the chips between steps, "
                      f"{_gib(r.step_cache_bytes_per_chip)} GiB per {unit} (every transformer's), counted with the "
                      "weights")
+    lines += format_costs(list(r.stages.items()), unit)
+    bound = format_time_bound(r.time_bound, unit, r.time_note)
+    if bound:
+        lines.append(bound)
     verdict = "FITS" if r.fits else "DOES NOT FIT"
     failed = [name for name, s in r.stages.items() if not s.compiled and not s.skipped]
     skipped = [name for name, s in r.stages.items() if s.skipped]
@@ -502,7 +532,7 @@ def format_report(r: PlanReport) -> str:
     for s in r.suggestions:
         lines.append(f"  try: {s}")
     lines.append(f"  planned in {r.seconds:.0f} s on this machine (peak host memory "
-                 f"{r.host_peak_rss_bytes / GIB:.1f} GiB); run times need the real slice")
+                 f"{r.host_peak_rss_bytes / GIB:.1f} GiB); measured run times need the real slice")
     return "\n".join(lines)
 
 
@@ -522,7 +552,8 @@ def add_args(parser) -> None:
                         "default: the model's")
     parser.add_argument("--steps", type=int, help="sampling steps (the scheduler's plan); default: the release's "
                         "(a distilled model's 8), else the family's ("
-                        + ", ".join(f"{s.display_name} {s.sampling.steps}" for s in registry.FAMILIES) + ")")
+                        + ", ".join(f"{s.display_name} {s.sampling.steps}" for s in registry.FAMILIES)
+                        + "); with --comfy-model ComfyUI's KSampler default, 20. The time bound is for these steps")
     parser.add_argument("--mesh", help="dp=N,sp=N,tp=N; default: try candidate meshes and pick the smallest fit")
     parser.add_argument("--candidates", type=int, default=3, help="how many meshes to try without --mesh (1: the "
                         "default mesh only)")

@@ -5,7 +5,9 @@ The model is ComfyUI's class at its released size, built on ``meta`` (``bridge/a
 are placed as shape structs by the bridge's rule tables (``bridge/rules.py``), the step is the very program the
 bridge compiles (``BridgedModule.program_function``: ComfyUI's ``_forward`` traced through torchax with the
 runtime's attention, splash on a TPU mesh), for the call a sampler makes with CFG (cond and uncond in one batch).
-When our own family has the same model, its step is planned on the same mesh and printed beside it. With the
+When our own family has the same model, its step is planned on the same mesh and printed beside it. Each program's
+cost estimate (``ProgramCost``) gives a lower bound on a step and on a video's sampling (``steps`` calls of the
+step, the CFG batch inside each; ComfyUI's KSampler default of 20 steps unless given). With the
 ``encode`` and ``decode`` stages, the text encoder and the VAE the model's graphs load (umT5-XXL and the Wan VAE for
 Wan) are planned too, as TPU Text Encoder and TPU VAE run them, each on the mesh its node picks: the whole graph's
 weights resident together, as ComfyUI holds them.
@@ -19,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import InputError
-from .plan_compile import StageReport, _no_persistent_cache, compile_program, shard_bytes
+from .plan_compile import (StageReport, TimeBound, _no_persistent_cache, compile_program, format_costs,
+                           format_time_bound, shard_bytes, time_bound)
 from .topology import GIB, Topology, parse_topology
 
 log = logging.getLogger("tpu_runtime.tools.plan")
@@ -50,9 +53,12 @@ class NativePlanReport:
     family: dict = field(default_factory=dict)  # our family's step on the same mesh: model, mesh, StageReport
     seconds: float = 0.0
     host_peak_rss_bytes: int = 0
+    steps: int = 0
+    time_bound: TimeBound | None = None  # a lower bound on a step and a video's sampling through the bridge
 
 
 NATIVE_STAGES = ("encode", "sample", "decode")
+KSAMPLER_STEPS = 20  # ComfyUI's KSampler node's default steps: the bound's default
 
 
 def _native_program(arch, module, topo: Topology, mesh_text: str | None, cfg: bool, height, width, frames, attention):
@@ -101,20 +107,23 @@ def plan_native(name: str, comfy_dir: str | None, topology: str | Topology, *, h
                 width: int | None = None, frames: int | None = None, guidance: float | None = None,
                 mesh: str | None = None, layers: int | None = None, attention=None,
                 compare: bool = True, stages: tuple[str, ...] | None = ("sample",),
-                weights: str = "bf16") -> NativePlanReport:
+                weights: str = "bf16", steps: int | None = None) -> NativePlanReport:
     """Compile ComfyUI's ``name`` step for ``topology`` (and our family's on the same mesh when ``compare``); with
     ``stages`` ``encode`` / ``decode``, its text encoder and VAE as well (``--mesh`` is the diffusion model's; the
     text encoder and the VAE take their nodes' ``auto``; ``layers`` also cuts the text encoder's depth; ``None``:
     every stage the architecture has). ``weights``: bf16, or a quantized format (fp8, int8, nvfp4, mxfp8) for the
-    diffusion model's and the text encoder's blocks, as ComfyUI holds such a file."""
+    diffusion model's and the text encoder's blocks, as ComfyUI holds such a file; ``steps`` (default
+    ``KSAMPLER_STEPS``) for the time bound."""
     from ..bridge.quantized import PLAN_FORMATS
 
     if weights != "bf16" and weights not in PLAN_FORMATS:
         raise InputError(f"--comfy-weights {weights}: one of bf16, {', '.join(PLAN_FORMATS)}")
     from ..bridge.architectures import architecture, parameter_count, use_comfyui
     from ..engine.runtime import get_runtime
+    from ..engine.validation import check_number
 
     start = time.perf_counter()
+    check_number("--steps", steps, minimum=1, integer=True, optional=True)
     arch = architecture(name)
     if stages is None:
         stages = tuple(s for s, c in (("encode", arch.text_encoder), ("sample", arch), ("decode", arch.vae)) if c)
@@ -149,7 +158,7 @@ def plan_native(name: str, comfy_dir: str | None, topology: str | Topology, *, h
     if step is not None:
         planned["sample"] = {"describe": program.describe, "mesh": str(spec), "report": step}
         weights_by_component["diffusion_model"] = shard_bytes(program.example[0])
-    weights = sum(weights_by_component.values())
+    resident = sum(weights_by_component.values())
     beside = max((max(0, p["report"].total_bytes_per_chip - p["report"].weights_bytes_per_chip)
                   for p in planned.values()), default=0)
     compiled = all(p["report"].compiled for p in planned.values())
@@ -157,9 +166,10 @@ def plan_native(name: str, comfy_dir: str | None, topology: str | Topology, *, h
         model=arch.name, comfy_class=arch.cls, rules=rules.describe(), parameters=parameter_count(module),
         topology=topo.name, chips=topo.chips, chip_hbm_bytes=topo.hbm_bytes, devices_per_chip=topo.devices_per_chip,
         height=height, width=width, frames=frames, cfg=cfg, layers=layers, mesh=str(spec), weights=weights,
-        fits=compiled and weights + beside <= topo.hbm_bytes, resident_weights_bytes_per_chip=weights,
-        peak_bytes_per_chip=weights + beside, step=step or StageReport(compiled=False, describe="not planned"),
-        stages=planned)
+        fits=compiled and resident + beside <= topo.hbm_bytes, resident_weights_bytes_per_chip=resident,
+        peak_bytes_per_chip=resident + beside, step=step or StageReport(compiled=False, describe="not planned"),
+        stages=planned, steps=steps or KSAMPLER_STEPS)
+    report.time_bound = time_bound(step, report.steps)
     if compare and arch.family and step is not None:
         from .plan import ModelSource, plan
 
@@ -207,13 +217,21 @@ def format_native_report(r: NativePlanReport) -> str:
         if r.step.compiled and f["step"].compiled and f["step"].total_bytes_per_chip:
             ratio = r.step.total_bytes_per_chip / f["step"].total_bytes_per_chip
             lines.append(f"  bridge / family per-{unit} memory: {ratio:.3f}")
+    rows = [("ComfyUI (bridge)" if n == "sample" else n, s["report"]) for n, s in r.stages.items()]
+    if r.family:
+        rows.append((f"our family ({r.family['model']})", r.family["step"]))
+    lines += format_costs(rows, unit, label_width=22)
+    bound = format_time_bound(r.time_bound, unit, "no bound: the step was not planned or did not compile",
+                              step="a step through the bridge")
+    if bound:
+        lines.append(bound)
     if len(r.stages) > 1:
         lines.append("  stages: " + "; ".join(f"{n}: {s['describe']}, mesh {s['mesh']}" for n, s in r.stages.items()))
     verdict = "FITS" if r.fits else "DOES NOT FIT"
     lines.append(f"  verdict: {verdict}: peak {_gib(r.peak_bytes_per_chip)} of {_gib(r.chip_hbm_bytes)} GiB per {unit} "
                  f"(weights {_gib(r.resident_weights_bytes_per_chip)} GiB resident + the largest stage's activations)")
     lines.append(f"  planned in {r.seconds:.0f} s on this machine (peak host memory "
-                 f"{r.host_peak_rss_bytes / GIB:.1f} GiB); run times need the real slice")
+                 f"{r.host_peak_rss_bytes / GIB:.1f} GiB); measured run times need the real slice")
     return "\n".join(lines)
 
 

@@ -21,6 +21,11 @@ GIB = 1024 ** 3
 CHIP_HBM = {"v4": 32 * GIB, "v5e": 16 * GIB, "v5p": 95 * GIB, "v6e": 32 * GIB, "v7x": 192 * GIB}
 # JAX devices per chip: v7x's two TensorCores are two devices (v4/v5p's two act as one).
 DEVICES_PER_CHIP = {"v7x": 2}
+# Peak dense bfloat16 compute and HBM bandwidth per chip, as published in the Cloud TPU documentation's system
+# architecture tables (the pages "TPU v4", "TPU v5e", "TPU v5p", "TPU v6e" and "TPU7x (Ironwood)"): they turn a
+# program's flops and bytes into a lower bound on its seconds (``plan``'s cost estimate).
+CHIP_PEAK_BF16_FLOPS = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12, "v7x": 2307e12}
+CHIP_HBM_BYTES_PER_SECOND = {"v4": 1200e9, "v5e": 819e9, "v5p": 2765e9, "v6e": 1638e9, "v7x": 7380e9}
 # The kind as libtpu names it in a topology ("tpu7x:2x2x1").
 LIBTPU_KIND = {"v7x": "tpu7x"}
 # v5e/v6e slices are 2-D (chips); v4/v5p/v7x slices are named by TensorCores (2 per chip) and are 3-D.
@@ -56,6 +61,16 @@ class Topology:
     def hbm_bytes(self) -> int:
         """HBM of one JAX device (a v7x TensorCore has half its chip's)."""
         return CHIP_HBM[self.kind] // self.devices_per_chip
+
+    @property
+    def peak_flops(self) -> float:
+        """Peak bfloat16 flop/s of one JAX device (a v7x TensorCore has half its chip's)."""
+        return CHIP_PEAK_BF16_FLOPS[self.kind] / self.devices_per_chip
+
+    @property
+    def hbm_bytes_per_second(self) -> float:
+        """HBM bandwidth of one JAX device (a v7x TensorCore has half its chip's)."""
+        return CHIP_HBM_BYTES_PER_SECOND[self.kind] / self.devices_per_chip
 
     @property
     def hosts(self) -> int:
