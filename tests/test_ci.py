@@ -1,0 +1,53 @@
+"""The test run itself: one persistent compilation cache shared by the run's processes and removed after it, and
+the time budget that fails a run past it, naming the slowest tests."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT, subprocess_env
+from run_cache_probe import PROBE_ENV
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_xdist_workers_share_one_compilation_cache_that_the_run_removes(tmp_path):
+    """A pytest run of its own (its first process makes the cache; this run's cache is not passed down): each of
+    its two workers compiles the same program, one after the other; the second loads the first's from the cache."""
+    env = subprocess_env(**{PROBE_ENV: tmp_path})
+    for inherited in ("TPU_VIDEO_TEST_RUN_CACHE", "TPU_VIDEO_CACHE_DIR"):
+        env.pop(inherited, None)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
+                           "each", str(TESTS / "run_cache_probe.py")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("gw*.json"))]
+    assert len(records) == 2 and records[0]["pid"] != records[1]["pid"], records
+    assert records[0]["cache"] == records[1]["cache"], records
+    assert all(r["backend_compiles"] == 1 for r in records), records  # each process built the program once...
+    assert sorted(r["persistent_cache_hits"] for r in records) == [0, 1], records  # ...compiled once in the run
+    assert not Path(records[0]["cache"]).exists()  # removed by the process that made it
+
+
+def _run_with_budget(tmp_path, minutes: str):
+    (tmp_path / "test_slow.py").write_text("import time\n\n\ndef test_takes_a_second():\n    time.sleep(1.0)\n\n\n"
+                                           "def test_quick():\n    pass\n")
+    env = subprocess_env(TPU_VIDEO_TEST_BUDGET_MINUTES=minutes)
+    env["PYTHONPATH"] = str(TESTS) + ":" + env["PYTHONPATH"]
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "time_budget",
+                           "test_slow.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_run_past_its_time_budget_fails_naming_the_slowest_tests(tmp_path):
+    over = _run_with_budget(tmp_path, "0.005")  # 0.3 s
+    assert over.returncode == 1, over.stdout
+    assert "time budget exceeded" in over.stdout and "the run fails" in over.stdout, over.stdout
+    listed = over.stdout.split("slowest tests:", 1)[1].splitlines()[1:3]
+    assert "test_slow.py::test_takes_a_second" in listed[0] and "test_quick" in listed[1], over.stdout
+    assert "2 passed" in over.stdout.strip().splitlines()[-1]  # the runner's own summary still ends the output
+    within = _run_with_budget(tmp_path, "10")
+    assert within.returncode == 0, within.stdout
+    assert "min of the 10 min budget" in within.stdout and "exceeded" not in within.stdout
+    bad = _run_with_budget(tmp_path, "forty")
+    assert bad.returncode == 4 and "TPU_VIDEO_TEST_BUDGET_MINUTES='forty' is not a number" in bad.stderr, bad.stderr
