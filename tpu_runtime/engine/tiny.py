@@ -65,13 +65,14 @@ def train_spiece(path: Path) -> None:
 
 def exact(t, fp8: bool):
     """Round a weight so that every file format the tests write holds it exactly: bfloat16 values (fp16-exact
-    too once tiny magnitudes are zeroed), and for matrices, fp8_e4m3fn values times a power-of-two scale."""
+    too once tiny magnitudes are zeroed), and for matrices, fp8_e4m3fn values times a power-of-two scale (the
+    smallest at or above absmax / 448: a value past fp8_e4m3fn's 448 is cast to NaN, not clamped)."""
     import torch
 
     t = t.to(torch.bfloat16).float()
     t[t.abs() < 2.0**-14] = 0.0
     if fp8 and t.ndim == 2 and t.abs().max() > 0:
-        scale = 2.0 ** torch.round(torch.log2(t.abs().max() / 448.0))
+        scale = 2.0 ** torch.ceil(torch.log2(t.abs().max() / 448.0))
         t = (t / scale).to(torch.float8_e4m3fn).float() * scale
         t[t.abs() < 2.0**-14] = 0.0
     return t
@@ -91,11 +92,11 @@ def finish(directory: Path, model_index: dict, label: str, seed: int) -> Path:
 
 
 def fp8_quantise(t):
-    """(float8_e4m3fn values, 0-dim float32 scale) of matrix ``t``, the scale a power of two near absmax / 448:
-    a matrix ``exact(t, fp8=True)`` rounded is held exactly."""
+    """(float8_e4m3fn values, 0-dim float32 scale) of matrix ``t``, the scale the smallest power of two at or
+    above absmax / 448 (as ``exact``): a matrix ``exact(t, fp8=True)`` rounded is held exactly."""
     import torch
 
-    scale = 2.0 ** torch.round(torch.log2(t.float().abs().max() / 448.0))
+    scale = 2.0 ** torch.ceil(torch.log2(t.float().abs().max() / 448.0))
     return (t.float() / scale).to(torch.float8_e4m3fn), scale.reshape(()).float()
 
 
