@@ -51,3 +51,16 @@ def test_a_run_past_its_time_budget_fails_naming_the_slowest_tests(tmp_path):
     assert "min of the 10 min budget" in within.stdout and "exceeded" not in within.stdout
     bad = _run_with_budget(tmp_path, "forty")
     assert bad.returncode == 4 and "TPU_VIDEO_TEST_BUDGET_MINUTES='forty' is not a number" in bad.stderr, bad.stderr
+
+
+def test_the_processes_the_tests_start_compile_with_the_tests_flags():
+    """The tests' XLA flags (conftest.TEST_XLA_FLAGS) hold in this process and in every process started with
+    subprocess_env, also where a test gives XLA_FLAGS of its own (a device count)."""
+    import os
+
+    from conftest import TEST_XLA_FLAGS
+
+    assert TEST_XLA_FLAGS in os.environ["XLA_FLAGS"]
+    assert TEST_XLA_FLAGS in subprocess_env()["XLA_FLAGS"]
+    eight = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")["XLA_FLAGS"].split()
+    assert TEST_XLA_FLAGS in eight and "--xla_force_host_platform_device_count=8" in eight
