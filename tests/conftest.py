@@ -63,6 +63,7 @@ class _NoComfyUI(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, _NoComfyUI())
 
 import pytest  # noqa: E402
+import run_order  # noqa: E402
 import time_budget  # noqa: E402
 
 PROMPT = "a panda playing a guitar"
@@ -76,6 +77,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "comfy_versions(*versions): run a test of the native bridge only on the "
                             "ComfyUI trees named (a version prefix such as \"0.33\", or \"newest\")")
     time_budget.pytest_configure(config)
+    config.pluginmanager.register(run_order, "tpu_video_run_order")
 
 
 def pytest_unconfigure(config):

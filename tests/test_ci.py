@@ -64,3 +64,25 @@ def test_the_processes_the_tests_start_compile_with_the_tests_flags():
     assert TEST_XLA_FLAGS in subprocess_env()["XLA_FLAGS"]
     eight = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")["XLA_FLAGS"].split()
     assert TEST_XLA_FLAGS in eight and "--xla_force_host_platform_device_count=8" in eight
+
+
+def test_the_longest_files_are_handed_out_first():
+    """Files of run_order.LONGEST_FIRST come first, in its order, each file's tests together and in their order;
+    every listed file exists; xdist keeps that order (its reordering by test count is off)."""
+    import tomllib
+
+    import run_order
+
+    class Item:
+        def __init__(self, path, name):
+            self.fspath, self.name = TESTS / path, name
+
+    names = ["test_attention.py", "test_cli.py", "test_multihost.py", "test_zzz.py"]
+    items = [Item(path, f"{path}:{k}") for path in names for k in range(3)]
+    run_order.pytest_collection_modifyitems(items)
+    order = [item.name for item in items]
+    assert order == [f"{p}:{k}" for p in ("test_multihost.py", "test_cli.py", "test_attention.py", "test_zzz.py")
+                     for k in range(3)], order
+    assert all((TESTS / name).is_file() for name in run_order.LONGEST_FIRST)
+    addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    assert "--dist loadfile" in addopts and "--no-loadscope-reorder" in addopts
