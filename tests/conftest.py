@@ -1,18 +1,35 @@
 """Shared fixtures: tiny random-weight CogVideoX folders (all three generations), built once per session.
 
 JAX runs on CPU in tests: JAX_PLATFORMS is set before anything imports jax. The persistent compilation cache
-goes to a per-session temporary folder so tests never read a cache left by an earlier run.
+goes to a temporary folder of this run, so tests never read a cache left by an earlier run: the first pytest process
+makes it and xdist's workers, started by that process, inherit it (``_RUN_CACHE_ENV``), so a program one worker
+compiled is loaded, not compiled again, by the other and by the processes the tests start. The process that made it
+removes it at the end. A test whose claim needs a cache of its own (a restarted process that compiles nothing, a
+first run that compiles everything) gives its process one (``--cache-dir``, ``TPU_VIDEO_CACHE_DIR``); counts of
+programs built in this process are ``backend_compiles``, which a hit in the shared cache does not lower.
 """
 
 import importlib.abc
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-_SESSION_CACHE = tempfile.mkdtemp(prefix="tpu_video_test_cache_")
+# XLA's CPU backend compiles the tests' programs without LLVM's optimisations: each runs a few times on tiny inputs,
+# so compiling it was most of its cost (a tiny Wan generation: about 40% less CPU time; the frames move by ~1e-6).
+# The TPU compiler that `plan` runs leaves it aside (its reports are the same). Every process the tests start gets
+# it too (subprocess_env).
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{TEST_XLA_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
+_RUN_CACHE_ENV = "TPU_VIDEO_TEST_RUN_CACHE"
+_MADE_THE_RUN_CACHE = not os.environ.get(_RUN_CACHE_ENV)
+if _MADE_THE_RUN_CACHE:
+    os.environ[_RUN_CACHE_ENV] = tempfile.mkdtemp(prefix="tpu_video_test_cache_")
+_SESSION_CACHE = os.environ[_RUN_CACHE_ENV]
 os.environ["TPU_VIDEO_CACHE_DIR"] = _SESSION_CACHE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +63,8 @@ class _NoComfyUI(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, _NoComfyUI())
 
 import pytest  # noqa: E402
+import run_order  # noqa: E402
+import time_budget  # noqa: E402
 
 PROMPT = "a panda playing a guitar"
 NEGATIVE = "blurry, low quality"
@@ -57,6 +76,13 @@ SIZES = {"2b": (64, 96, 9), "5b": (64, 96, 9), "1.5": (64, 64, 17)}
 def pytest_configure(config):
     config.addinivalue_line("markers", "comfy_versions(*versions): run a test of the native bridge only on the "
                             "ComfyUI trees named (a version prefix such as \"0.33\", or \"newest\")")
+    time_budget.pytest_configure(config)
+    config.pluginmanager.register(run_order, "tpu_video_run_order")
+
+
+def pytest_unconfigure(config):
+    if _MADE_THE_RUN_CACHE:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -109,11 +135,14 @@ def runtime():
 
 
 def subprocess_env(**extra):
-    """Environment for a child process running the CLI from this checkout on CPU."""
+    """Environment for a child process running the CLI from this checkout on CPU (the tests' compile flags kept
+    where ``extra`` gives XLA_FLAGS of its own)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["JAX_PLATFORMS"] = "cpu"
     env.update({k: str(v) for k, v in extra.items()})
+    if "XLA_FLAGS" in extra:
+        env["XLA_FLAGS"] = f"{TEST_XLA_FLAGS} {extra['XLA_FLAGS']}"
     return env
 
 

@@ -33,24 +33,27 @@ def test_demo_writes_playable_video(tmp_path):
     assert (out / "tiny_random_cogvideox_2b" / "tiny_random_weights.txt").is_file()
 
 
-def test_bad_input_exits_2_with_a_message(tiny_models, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "tpu_runtime", "generate", "--model", str(tiny_models["2b"]), "--prompt", "a cat",
-         "--height", "64", "--width", "64", "--frames", "12", "--output-dir", str(tmp_path)],
-        env=subprocess_env(), capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 2
-    assert "error: frames=12 must be 8*N+1 for CogVideoX-2b (nearest: 9 or 17; 49 is the native length)" in proc.stderr
-    assert "Traceback" not in proc.stderr
+def _exit_code(argv, capsys) -> tuple[int, str]:
+    """The command line's exit status and what it wrote to stderr, run in this process (`python -m tpu_runtime`
+    calls the same ``main``; the demos above start it as a process of its own)."""
+    from tpu_runtime.tools.cli import main
+
+    code = main([str(a) for a in argv])
+    return code, capsys.readouterr().err
 
 
-def test_missing_model_exits_2(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "tpu_runtime", "generate", "--model", str(tmp_path / "none"), "--prompt", "x",
-         "--output-dir", str(tmp_path / "o")],
-        env=subprocess_env(), capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 2 and "does not exist" in proc.stderr
+def test_bad_input_exits_2_with_a_message(tiny_models, tmp_path, capsys):
+    code, err = _exit_code(["generate", "--model", tiny_models["2b"], "--prompt", "a cat", "--height", "64",
+                            "--width", "64", "--frames", "12", "--output-dir", tmp_path], capsys)
+    assert code == 2
+    assert "error: frames=12 must be 8*N+1 for CogVideoX-2b (nearest: 9 or 17; 49 is the native length)" in err
+    assert "Traceback" not in err
+
+
+def test_missing_model_exits_2(tmp_path, capsys):
+    code, err = _exit_code(["generate", "--model", tmp_path / "none", "--prompt", "x", "--output-dir",
+                            tmp_path / "o"], capsys)
+    assert code == 2 and "does not exist" in err
 
 
 def test_bench_writes_table_and_json(tmp_path):
@@ -71,25 +74,19 @@ def test_bench_writes_table_and_json(tmp_path):
     assert result["ours"]["memory_analysis"]["decode"]["temp_size_in_bytes"] > 0
 
 
-def test_bad_attention_settings_exit_2(tiny_models, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "tpu_runtime", "generate", "--model", str(tiny_models["2b"]), "--prompt", "a cat",
-         "--height", "64", "--width", "64", "--frames", "9", "--block-kv", "300", "--output-dir", str(tmp_path)],
-        env=subprocess_env(), capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 2
-    assert "block_kv=300 must be a multiple of block_kv_compute=256" in proc.stderr
-    proc = subprocess.run(
-        [sys.executable, "-m", "tpu_runtime", "generate", "--model", str(tiny_models["2b"]), "--prompt", "a cat",
-         "--mesh", "dp=2,tp=4", "--output-dir", str(tmp_path)],
-        env=subprocess_env(), capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 2 and "mesh dp=2,sp=1,tp=4 uses 8 devices but 1 are available" in proc.stderr
+def test_bad_attention_settings_exit_2(tiny_models, tmp_path, capsys):
+    code, err = _exit_code(["generate", "--model", tiny_models["2b"], "--prompt", "a cat", "--height", "64",
+                            "--width", "64", "--frames", "9", "--block-kv", "300", "--output-dir", tmp_path], capsys)
+    assert code == 2
+    assert "block_kv=300 must be a multiple of block_kv_compute=256" in err
+    code, err = _exit_code(["generate", "--model", tiny_models["2b"], "--prompt", "a cat", "--mesh", "dp=2,tp=4",
+                            "--output-dir", tmp_path], capsys)
+    assert code == 2 and "mesh dp=2,sp=1,tp=4 uses 8 devices but 1 are available" in err
 
 
-def test_wan_demo_and_single_files_from_the_command_line(tiny_wan, tmp_path):
+def test_wan_demo_and_single_files_from_the_command_line(tiny_wan, tmp_path, capsys):
     """`demo --generation wan2.2-a14b`, then `generate` with ComfyUI's single files (both experts, scaled fp8)
-    gives the same frames as `generate --model` on the folder, with Wan's options."""
+    gives the same frames as `generate --model` on the folder, with Wan's options (the two in this process)."""
     import numpy as np
 
     from tpu_runtime.tools import stage_files
@@ -116,25 +113,17 @@ def test_wan_demo_and_single_files_from_the_command_line(tiny_wan, tmp_path):
         "folder": ["--model", tiny_wan["2.2-A14B"]],
     }
     for name, source in runs.items():
-        proc = subprocess.run([sys.executable, "-m", "tpu_runtime", "generate", *map(str, source), *common,
-                               "--output-dir", str(tmp_path / name)], env=subprocess_env(), capture_output=True,
-                              text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        code, err = _exit_code(["generate", *source, *common, "--output-dir", tmp_path / name], capsys)
+        assert code == 0, err[-3000:]
     a, b = (stage_files.load_frames(tmp_path / name).numpy() for name in runs)
     assert np.abs(a - b).max() < 1e-5
 
 
-def test_wan_bad_options_exit_2(tiny_wan, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "tpu_runtime", "generate", "--model", str(tiny_wan["2.1"]), "--prompt", "a cat",
-         "--height", "64", "--width", "64", "--frames", "9", "--guidance-2", "3", "--output-dir", str(tmp_path)],
-        env=subprocess_env(), capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 2 and "guidance_2=3.0 applies only to two-expert" in proc.stderr
+def test_wan_bad_options_exit_2(tiny_wan, tmp_path, capsys):
+    code, err = _exit_code(["generate", "--model", tiny_wan["2.1"], "--prompt", "a cat", "--height", "64", "--width",
+                            "64", "--frames", "9", "--guidance-2", "3", "--output-dir", tmp_path], capsys)
+    assert code == 2 and "guidance_2=3.0 applies only to two-expert" in err
     assert not (tmp_path / "stage1_embeddings.safetensors").exists(), "refused only after the encode stage ran"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tpu_runtime", "generate", "--transformer", str(tmp_path / "x.safetensors"),
-         "--prompt", "a cat", "--output-dir", str(tmp_path)], env=subprocess_env(), capture_output=True, text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 2 and "--text-encoder, --vae" in proc.stderr
+    code, err = _exit_code(["generate", "--transformer", tmp_path / "x.safetensors", "--prompt", "a cat",
+                            "--output-dir", tmp_path], capsys)
+    assert code == 2 and "--text-encoder, --vae" in err

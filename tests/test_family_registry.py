@@ -50,7 +50,7 @@ def test_generate_opens_the_toy_by_its_folder_and_runs_every_stage(toy, toy_mode
     other = stage_files.load_frames(tmp_path / "b")
     assert not torch.equal(other, frames)  # the seed and prompt reached the stages
     # The program table serves a new seed and prompt in the same process: nothing compiles.
-    assert compile_stats().since(before).xla_compiles == 0
+    assert compile_stats().since(before).backend_compiles == 0
 
 
 def test_without_its_registry_entry_the_toy_is_refused(toy_model, tmp_path):

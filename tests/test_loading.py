@@ -156,3 +156,19 @@ def test_nvfp4_weights_equal_comfyuis_dequantisation(shape, tmp_path):
     torch.testing.assert_close(source.get("q.weight", torch.float32), want, rtol=0, atol=0)
     torch.testing.assert_close(source.get("q.weight", torch.bfloat16), want.bfloat16(), rtol=0, atol=0)
     assert (want - weight).abs().max() < 0.25 * weight.abs().max()  # it is the weight, 4-bit coarse
+
+
+def test_tiny_weights_rounded_for_fp8_stay_finite_and_exact():
+    """The tiny models' fp8-exact rounding never leaves a value past fp8_e4m3fn's 448 (torch casts it to NaN, not
+    to 448): whatever a matrix's largest magnitude, its values stay finite and the fp8 encoding of the files holds
+    them exactly. Largest magnitudes between powers of two times 448, where the scale was rounded down, are tried."""
+    from tpu_runtime.engine.tiny import exact, fp8_quantise
+
+    base = torch.randn(32, 48, generator=torch.Generator().manual_seed(0))
+    base = base / base.abs().max()
+    for absmax in (0.05, 448.0 / 2**10 * 1.3, 448.0 / 2**10 * 1.45, 448.0 / 2**9 * 1.9, 3.0):
+        rounded = exact(base * absmax, fp8=True)
+        assert torch.isfinite(rounded).all(), absmax
+        assert (rounded - base * absmax).abs().max() <= absmax * 2**-3, absmax  # a rounding, not another matrix
+        values, scale = fp8_quantise(rounded)
+        assert torch.equal(values.float() * scale, rounded), absmax

@@ -107,7 +107,7 @@ def test_each_knob_moves_the_output_as_it_moves_diffusers(models, embeddings, ti
         before = compile_stats()
         ours = family.sample(emb, s)
         if family.guidance(s)[0] == family.guidance(_settings())[0] and name != "frame_rate":
-            assert compile_stats().since(before).xla_compiles == 0, name
+            assert compile_stats().since(before).backend_compiles == 0, name
         video, audio = ltx2_outputs(tiny_ltx2["2.3"], s.seed, output_type="latent", **_diffusers_call(s))
         _close(ours.latents, video, f"{name}={value} video latents", atol=tol)
         _close(ours.audio, audio, f"{name}={value} sound latents", atol=tol)
@@ -163,7 +163,7 @@ def test_seed_prompt_and_steps_compile_nothing_new(models, embeddings):
     family.sample(other, _settings(steps=6, seed=11))
     family.sample(embeddings["2.0"], _settings(steps=3, guidance=4.5, audio_guidance=5.0, stg_scale=2.0,
                                                modality_scale=2.0, guidance_rescale=0.3))
-    assert compile_stats().since(before).xla_compiles == 0
+    assert compile_stats().since(before).backend_compiles == 0
 
 
 @pytest.mark.parametrize("change, needle", [
@@ -183,7 +183,7 @@ def test_what_ltx2_cannot_take_is_refused_before_anything_compiles(models, embed
     with pytest.raises(InputError) as refused:
         family.sample(embeddings["2.0"], _settings(**change))
     assert needle in str(refused.value)
-    assert compile_stats().since(before).xla_compiles == 0
+    assert compile_stats().since(before).backend_compiles == 0
 
 
 def test_sizes_are_multiples_of_32_whatever_the_vae_compresses(runtime, tmp_path, capsys):
@@ -234,7 +234,7 @@ def test_ltx2_options_on_another_family_are_refused(tiny_wan):
     for name, value in (("audio_guidance", 2.0), ("stg_scale", 1.0), ("frame_rate", 24.0), ("sigmas", "distilled")):
         with pytest.raises(InputError, match=f"{name}=.* is an option of LTX-2 models"):
             wan.sample(embeds, SampleSettings(64, 64, 9, steps=2, **{name: value}))
-    assert compile_stats().since(before).xla_compiles == 0
+    assert compile_stats().since(before).backend_compiles == 0
 
 
 def test_command_line_stages_write_video_with_its_sound(tiny_ltx2, models, embeddings, tmp_path):
@@ -462,4 +462,4 @@ def test_two_stage_mistakes_are_refused_before_anything_runs(runtime, tiny_ltx2,
     assert main(["generate", "--model", str(tiny_ltx2["2.0"]), "--prompt", PROMPT, "--frames", str(F),
                  "--output-dir", str(tmp_path), *args]) == 2
     assert needle in capsys.readouterr().err
-    assert compile_stats().since(before).xla_compiles == 0
+    assert compile_stats().since(before).backend_compiles == 0

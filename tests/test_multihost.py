@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import subprocess_env
+from conftest import TEST_XLA_FLAGS, subprocess_env
 from safetensors.numpy import load_file
 
 from tpu_runtime.errors import InputError
@@ -58,7 +58,7 @@ def _slice_env(port: int, process_id: int, processes: int = 2) -> dict:
                          TPU_VIDEO_PROCESS_ID=process_id, JAX_NUM_CPU_DEVICES=8 // processes,
                          TPU_VIDEO_JOIN_TIMEOUT=120,
                          TPU_VIDEO_WORKER_TIMEOUT=120, TPU_VIDEO_HEARTBEAT_TIMEOUT=HEARTBEAT)
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = TEST_XLA_FLAGS  # devices from JAX_NUM_CPU_DEVICES, none forced
     return env
 
 
@@ -68,23 +68,37 @@ def _report(proc, worker_log: Path | None = None) -> dict:
     return json.loads(proc.stdout.split("REPORT ", 1)[1])
 
 
-def _run_slice(tmp: Path, jobs, driver_cwd: Path, worker_cwd: Path):
-    """Process 1 as `python -m tpu_runtime worker`, process 0 running the jobs; returns (report, worker)."""
+def _start_slice(tmp: Path, jobs, driver_cwd: Path, worker_cwd: Path, readme: bool = False, pin: bool = False):
+    """Process 1 as `python -m tpu_runtime worker` in ``worker_cwd``, process 0 running the jobs in ``driver_cwd``;
+    returns (the first process's run, the worker's exit code, the worker's log). ``readme``: launched as the README
+    says: the first host with TPU_VIDEO_COORDINATOR and TPU_VIDEO_PROCESSES only (its id is 0), the worker with
+    `worker --coordinator ... --processes 2 --process-id 1`; otherwise both from the environment alone. ``pin``:
+    both processes on one CPU core (a starved machine)."""
     port = _free_port()
+    if readme:
+        base = subprocess_env(JAX_NUM_CPU_DEVICES=4, TPU_VIDEO_JOIN_TIMEOUT=120, TPU_VIDEO_WORKER_TIMEOUT=120,
+                              TPU_VIDEO_HEARTBEAT_TIMEOUT=HEARTBEAT)
+        base["XLA_FLAGS"] = TEST_XLA_FLAGS
+        first = dict(base, TPU_VIDEO_MULTIHOST="1", TPU_VIDEO_COORDINATOR=f"127.0.0.1:{port}",
+                     TPU_VIDEO_PROCESSES="2")
+        worker_env, worker_args = base, ["--coordinator", f"127.0.0.1:{port}", "--processes", "2",
+                                         "--process-id", "1"]
+    else:
+        first, worker_env, worker_args = _slice_env(port, 0), _slice_env(port, 1), ["--process-id", "1"]
+    taskset = ["taskset", "-c", "0"] if pin else []
     log = open(tmp / "worker.log", "w")
-    worker = subprocess.Popen([sys.executable, "-m", "tpu_runtime", "worker", "--process-id", "1"], cwd=worker_cwd,
-                              env=_slice_env(port, 1), stdout=log, stderr=subprocess.STDOUT)
+    worker = subprocess.Popen(taskset + [sys.executable, "-m", "tpu_runtime", "worker", *worker_args],
+                              cwd=worker_cwd, env=worker_env, stdout=log, stderr=subprocess.STDOUT)
     try:
         jobs = jobs(worker.pid) if callable(jobs) else jobs
         (tmp / "jobs.json").write_text(json.dumps(jobs))
-        driver = subprocess.run([sys.executable, JOB, str(tmp / "out"), str(tmp / "jobs.json")], cwd=driver_cwd,
-                                env=_slice_env(port, 0), capture_output=True, text=True, timeout=1200)
-        report = _report(driver, tmp / "worker.log")
+        driver = subprocess.run(taskset + [sys.executable, JOB, str(tmp / "out"), str(tmp / "jobs.json")],
+                                cwd=driver_cwd, env=first, capture_output=True, text=True, timeout=1200)
         try:
             code = worker.wait(timeout=60)
         except subprocess.TimeoutExpired:
             code = "still running"
-        return report, code, (tmp / "worker.log").read_text()
+        return driver, code, (tmp / "worker.log").read_text()
     finally:
         if worker.poll() is None:
             worker.kill()
@@ -110,15 +124,23 @@ def _generate_jobs(models):
             for name, (model, axis) in RUNS.items()]
 
 
+# Cancel on tp after the generations: both processes stop at the same step, and the next sample runs on both.
+CANCEL = {"cancel": 3, "steps": 8, "mesh": MESHES["tp"], **SIZE}
+
+
 @pytest.fixture(scope="module")
 def two_processes(models, tmp_path_factory):
+    """The slice every test of a healthy slice reads, launched with the README's lines: a model only the first
+    host has, each generation of RUNS, Cancel; then the first process closes the slice."""
     tmp = tmp_path_factory.mktemp("slice")
     driver_cwd, worker_cwd = tmp / "first_host", tmp / "second_host"
     worker_cwd.mkdir()
     # A model only the first host has: a relative path that resolves on the first host and not on the second.
     shutil.copytree(models["cogvideox"], driver_cwd / "only_on_the_first_host")
-    jobs = [{"open_missing": "only_on_the_first_host"}] + _generate_jobs(models)
-    return tmp / "out", *_run_slice(tmp, jobs, driver_cwd, worker_cwd)
+    jobs = [{"open_missing": "only_on_the_first_host"}] + _generate_jobs(models) + \
+        [dict(CANCEL, model=str(models["cogvideox"]))]
+    driver, worker_code, worker_log = _start_slice(tmp, jobs, driver_cwd, worker_cwd, readme=True)
+    return tmp / "out", _report(driver, tmp / "worker.log"), worker_code, worker_log, driver.stderr
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +157,7 @@ def one_process(models, tmp_path_factory):
 
 
 def test_two_processes_give_the_one_process_frames(two_processes, one_process):
-    out, report, worker_code, worker_log = two_processes
+    out, report, worker_code, worker_log, _ = two_processes
     single_out, single = one_process
     assert (report["processes"], report["devices"], report["local_devices"]) == (2, 8, 4)
     assert (single["processes"], single["devices"], single["local_devices"]) == (1, 8, 8)
@@ -159,24 +181,15 @@ def test_two_processes_give_the_one_process_frames(two_processes, one_process):
 
 
 def test_a_worker_without_the_model_is_named_before_any_compile(two_processes):
-    _, report, _, _ = two_processes
+    _, report, _, _, _ = two_processes
     missing = report["open_missing"]
     assert missing["error"] and "worker 1" in missing["error"] and "only_on_the_first_host" in missing["error"]
     assert missing["compiles"] == 0
     # ...and the slice stayed in step: the generations after it ran (checked above) on both processes.
 
 
-def test_cancel_stops_every_process_at_the_same_step_and_a_killed_worker_is_reported(models, tmp_path):
-    driver_cwd = tmp_path / "first_host"
-    driver_cwd.mkdir()
-
-    def jobs(worker_pid):
-        return [{"cancel": 3, "steps": 8, "model": str(models["cogvideox"]), "mesh": MESHES["tp"], **SIZE},
-                {"kill": worker_pid, "at_step": 2, "steps": 8, "model": str(models["cogvideox"]),
-                 "mesh": MESHES["dp"], "wait": HEARTBEAT * 3, **SIZE}]
-
-    start = time.monotonic()
-    report, worker_code, worker_log = _run_slice(tmp_path, jobs, driver_cwd, driver_cwd)
+def test_cancel_stops_every_process_at_the_same_step(two_processes):
+    _, report, _, worker_log, _ = two_processes
     # Cancel after step 3: both processes stop before step 4, and the next sample runs on both.
     cancel = report["cancel"]
     assert "before step 4 of 8" in cancel["interrupted"], cancel
@@ -185,7 +198,21 @@ def test_cancel_stops_every_process_at_the_same_step_and_a_killed_worker_is_repo
     assert cancel["raised_in_on_step"] == "progress bar: processing interrupted"
     assert worker_log.count("sampling interrupted before step 4 of 8, as on the first process") == 2, worker_log
     assert cancel["next_sample"] == "ok"
-    kill = report["kill"]
+
+
+def test_a_killed_worker_is_reported_and_the_first_process_lives_on(models, tmp_path):
+    """A slice launched from the environment alone (the worker's coordinator, process count and id too): the
+    worker killed between two steps."""
+    driver_cwd = tmp_path / "first_host"
+    driver_cwd.mkdir()
+
+    def jobs(worker_pid):
+        return [{"kill": worker_pid, "at_step": 2, "steps": 8, "model": str(models["cogvideox"]),
+                 "mesh": MESHES["dp"], "wait": HEARTBEAT * 3, **SIZE}]
+
+    start = time.monotonic()
+    driver, worker_code, _ = _start_slice(tmp_path, jobs, driver_cwd, driver_cwd)
+    kill = _report(driver, tmp_path / "worker.log")["kill"]
     print("kill report:", kill)
     assert worker_code == -9
     assert kill["error"] and "worker 1" in kill["error"] and "incomplete" in kill["error"], kill
@@ -348,45 +375,13 @@ def test_a_different_file_on_a_worker_is_named(tmp_path):
 
 
 # --- the README's launch lines; a worker lost inside a collective ---------------------------------------------------
-def _readme_slice(tmp: Path, jobs, pin: bool = False):
-    """Launched as the README says: the first host with TPU_VIDEO_COORDINATOR and TPU_VIDEO_PROCESSES only (its id
-    is 0), the worker with `worker --coordinator ... --processes 2 --process-id 1`, started from another folder.
-    ``pin``: both processes on one CPU core (a starved machine)."""
-    port = _free_port()
-    base = subprocess_env(JAX_NUM_CPU_DEVICES=4, TPU_VIDEO_JOIN_TIMEOUT=120, TPU_VIDEO_WORKER_TIMEOUT=120,
-                          TPU_VIDEO_HEARTBEAT_TIMEOUT=HEARTBEAT)
-    base.pop("XLA_FLAGS", None)
-    first = dict(base, TPU_VIDEO_MULTIHOST="1", TPU_VIDEO_COORDINATOR=f"127.0.0.1:{port}", TPU_VIDEO_PROCESSES="2")
-    taskset = ["taskset", "-c", "0"] if pin else []
-    (tmp / "worker_cwd").mkdir(exist_ok=True)
-    log = open(tmp / "worker.log", "w")
-    worker = subprocess.Popen(taskset + [sys.executable, "-m", "tpu_runtime", "worker", "--coordinator",
-                                         f"127.0.0.1:{port}", "--processes", "2", "--process-id", "1"],
-                              cwd=tmp / "worker_cwd", env=base, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        (tmp / "jobs.json").write_text(json.dumps(jobs(worker.pid)))
-        driver = subprocess.run(taskset + [sys.executable, JOB, str(tmp / "out"), str(tmp / "jobs.json")],
-                                cwd=tmp, env=first, capture_output=True, text=True, timeout=900)
-        try:
-            code = worker.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            code = "still running"
-        return driver, code, (tmp / "worker.log").read_text()
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-        log.close()
-
-
-def test_the_readme_launch_lines_work_and_both_exit_cleanly(models, tmp_path):
-    def jobs(_):
-        return [{"generate": "readme", "model": str(models["cogvideox"]), "mesh": MESHES["tp"], **SIZE}]
-
-    driver, worker_code, worker_log = _readme_slice(tmp_path, jobs)
-    report = _report(driver, tmp_path / "worker.log")
-    assert report["processes"] == 2 and report["readme"]["devices"] == 8
+def test_the_readme_launch_lines_work_and_both_exit_cleanly(two_processes):
+    """The slice of the tests above was launched as the README says; every call ran on both processes and both
+    left without an error when the first process closed the slice."""
+    _, report, worker_code, worker_log, driver_stderr = two_processes
+    assert report["processes"] == 2 and report["cogvideox_dp"]["devices"] == 8
     assert worker_code == 0 and "the first process closed the slice" in worker_log
-    for text in (driver.stderr, worker_log):  # clean exits: no traceback, no JAX shutdown error
+    for text in (driver_stderr, worker_log):  # clean exits: no traceback, no JAX shutdown error
         assert "Traceback" not in text and "bad_cast" not in text and "error state" not in text, text[-3000:]
 
 
@@ -401,7 +396,8 @@ def test_a_worker_killed_inside_a_step_is_reported_within_the_bound(models, tmp_
         return [{"kill": worker_pid, "inside": 0.05 + 0.1 * repeat, "steps": 60, "model": str(models["cogvideox"]),
                  "mesh": MESHES["tp"], "wait": 0, **SIZE}]
 
-    driver, worker_code, _ = _readme_slice(tmp_path, jobs, pin=pin)
+    (tmp_path / "worker_cwd").mkdir()
+    driver, worker_code, _ = _start_slice(tmp_path, jobs, tmp_path, tmp_path / "worker_cwd", readme=True, pin=pin)
     kill = _report(driver, tmp_path / "worker.log")["kill"]
     print("kill inside a step:", json.dumps({k: v for k, v in kill.items() if k != "next_call"}))
     assert worker_code == -9

@@ -90,7 +90,7 @@ def test_decode_by_latent_batches_matches_diffusers(tiny_models):
         frames = 4 * latent_frames - 3 * (latent_frames % 2)
         before = compile_stats()
         ours = family.decode(VideoLatents(z, 64, 96, frames, family.signature)).numpy()
-        compiled = compile_stats().since(before).xla_compiles
+        compiled = compile_stats().since(before).backend_compiles
         with torch.no_grad():
             ref = vae.decode(z / scaling, return_dict=False)[0]
         ref = (ref * 0.5 + 0.5).clamp(0, 1)[0].permute(1, 2, 3, 0).numpy()

@@ -137,7 +137,7 @@ def test_frame_by_frame_vae_decode_matches_diffusers(tiny_wan, generation):
         frames = (latent_frames - 1) * family.vae_scale_temporal + 1
         before = compile_stats()
         ours = family.decode(VideoLatents(z, 64, 64, frames, family.signature)).numpy()
-        compiled = compile_stats().since(before).xla_compiles
+        compiled = compile_stats().since(before).backend_compiles
         with torch.no_grad():
             ref = vae.decode(z / std_inv + mean, return_dict=False)[0]
         ref = (ref * 0.5 + 0.5).clamp(0, 1)[0].permute(1, 2, 3, 0).numpy()
