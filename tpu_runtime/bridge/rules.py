@@ -104,7 +104,9 @@ WAN = ArchRules(
 )
 
 # comfy/ldm/hunyuan_video/model.py (Flux-style layers): double_blocks.N.{img,txt}_attn.qkv / proj,
-# {img,txt}_mlp.0 / .2, {img,txt}_mod.lin; single_blocks.N.linear1 (qkv and MLP in), linear2, modulation.lin.
+# {img,txt}_mlp.0 / .2, {img,txt}_mod.lin; single_blocks.N.linear1 (qkv and MLP in), linear2, modulation.lin; the
+# text refiner's blocks (txt_in.individual_token_refiner.blocks.N.self_attn.qkv / proj, mlp.0 / .2). HunyuanVideo 1.5
+# is the same class (double blocks only, 2048 wide, 16 heads): its ByT5 and SigLIP projections are small, whole.
 HUNYUAN_VIDEO = ArchRules(
     name="HunyuanVideo",
     classes=("HunyuanVideo",),
@@ -115,6 +117,8 @@ HUNYUAN_VIDEO = ArchRules(
         (r"single_blocks\.\d+\.(linear1|modulation\.lin)\.weight$", COLUMN),
         (r"single_blocks\.\d+\.(linear1|modulation\.lin)\.bias$", VECTOR),
         (r"single_blocks\.\d+\.linear2\.weight$", ROW),
+        *_attention(r"txt_in\.individual_token_refiner\.blocks\.\d+\.self_attn", "qkv", "proj"),
+        *_mlp(r"txt_in\.individual_token_refiner\.blocks\.\d+\.mlp", "0", "2"),
     ),
     heads=("num_heads",),
 )
@@ -131,7 +135,27 @@ LTXV = ArchRules(
     heads=("num_attention_heads", "num_heads"),
 )
 
-KNOWN: tuple[ArchRules, ...] = (WAN, HUNYUAN_VIDEO, LTXV)
+# comfy/ldm/lightricks/av_model.py (LTX-2, ComfyUI 0.33): the video and the audio stream in each block,
+# transformer_blocks.N.{attn1, attn2} (video self and text attention), {audio_attn1, audio_attn2} (audio), and the
+# two streams' attention to each other (audio_to_video_attn, video_to_audio_attn): to_q, to_k, to_v, to_out.0, q_norm
+# / k_norm over all heads; ff / audio_ff (net.0.proj, net.2). The text connectors ({video,audio}_embeddings_connector:
+# transformer_1d_blocks.N.attn1 / ff, the prompt's own attention before sampling) alike. Listed before LTX-Video:
+# LTXAVModel is an LTXVModel.
+LTXAV = ArchRules(
+    name="LTX-2",
+    classes=("LTXAVModel",),
+    weights=(
+        *_attention(r"transformer_blocks\.\d+\.(attn[12]|audio_attn[12]|audio_to_video_attn|video_to_audio_attn)",
+                    "to_q|to_k|to_v", r"to_out\.0", "q_norm|k_norm"),
+        *_mlp(r"transformer_blocks\.\d+\.(ff|audio_ff)\.net", r"0\.proj", "2"),
+        *_attention(r"(video|audio)_embeddings_connector\.transformer_1d_blocks\.\d+\.attn1", "to_q|to_k|to_v",
+                    r"to_out\.0", "q_norm|k_norm"),
+        *_mlp(r"(video|audio)_embeddings_connector\.transformer_1d_blocks\.\d+\.ff\.net", r"0\.proj", "2"),
+    ),
+    heads=("num_attention_heads", "num_heads"),
+)
+
+KNOWN: tuple[ArchRules, ...] = (WAN, HUNYUAN_VIDEO, LTXAV, LTXV)
 GENERIC = ArchRules(name="generic", generic=True)
 
 # Text encoders, in the names of ComfyUI's text models (the ``transformer`` of an SDClipModel). Heads are read from
