@@ -53,6 +53,11 @@ def bridged(model):
     return next(v for k, v in model.object_patches.items() if k.startswith("diffusion_model.")).bridged
 
 
+def connectors(model):
+    """The bridged text connectors (``preprocess_text_embeds``, run while ComfyUI prepares the conds)."""
+    return model.object_patches["diffusion_model.preprocess_text_embeds"].bridged
+
+
 def xla_compiles():
     from tpu_runtime.engine.runtime import compile_stats
 
@@ -78,11 +83,16 @@ def test_video_and_audio_latents_equal_native(pack, ltxav):
     # cond and uncond (their connectors pad both to 1024 tokens) are one batch: one program for every step, although
     # the model copies all of ComfyUI's per-call options (the current sigma among them) into its own arguments
     assert module.stats.programs == 1 and module.stats.calls == 3
+    # the text connectors ran on the runtime too, with their own weights only: a program per prompt length (7, 9)
+    text = connectors(on_tpu)
+    assert text.stats.programs == text.stats.calls == 2
+    assert set(text.state) and all("embeddings_connector." in n or "caption_projection." in n for n in text.state)
     before = xla_compiles()
     positive, negative = conds(2)
     native = sample(ltxav, av_latent(), positive, negative, cfg=3.0, steps=4, seed=7)
     assert_streams_equal(sample(on_tpu, av_latent(), positive, negative, cfg=3.0, steps=4, seed=7), native)
-    assert module.stats.programs == 1 and xla_compiles() == before  # new prompt, seed and step count
+    assert module.stats.programs == 1 and text.stats.programs == 2  # new prompts (same lengths), seed, step count
+    assert xla_compiles() == before
 
 
 def test_image_to_video_keeps_the_first_frame(pack, ltxav):

@@ -359,6 +359,10 @@ def diffusion_model_on_runtime(patcher, settings: BridgeSettings):
                          f"diffusion model loader (Load Diffusion Model, Load Checkpoint)")
     forward = _forward_for(base, settings)
     clone.add_object_patch(f"diffusion_model.{forward.bridged.method_name}", forward)
+    from .connectors import connector_patches  # LTX-2's text connectors, run while ComfyUI prepares the conds
+
+    for key, patch in connector_patches(base, settings).items():
+        clone.add_object_patch(key, patch)
     cast = compute_dtype_patch(base, settings.compute_dtype)
     if cast is not _KEEP and cast != base.manual_cast_dtype:
         clone.add_object_patch("manual_cast_dtype", cast)
