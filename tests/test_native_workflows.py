@@ -33,7 +33,8 @@ def _trees_for(path) -> list[str]:
     return [v for v in COMFYUI_TREES if since is None or _version(v) >= _version(since)]
 
 
-CASES = [pytest.param(path, version, id=f"{path.stem}-comfy{version}") for path in NATIVE for version in _trees_for(path)]
+CASES = [pytest.param(path, version, id=f"{path.stem}-comfy{version}")
+         for path in NATIVE for version in _trees_for(path)]
 _DEFINITIONS: dict[str, dict] = {}
 
 
