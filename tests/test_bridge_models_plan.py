@@ -83,7 +83,16 @@ def test_a_reduced_step_compiles_for_v6e8(comfy, monkeypatch, name):
     if released.audio:  # six splash attentions a block: video self and text, audio self and text, a2v, v2a;
         # Megatron's all-reduces (attention out and feed-forward out of both streams), no weight gathered
         assert step.mosaic_kernels == 6 and step.all_gathers == 0 and step.all_reduces >= 6
-    else:  # the joint attention of the double block, the text refiner's two blocks
-        assert step.mosaic_kernels == 3 and step.all_reduces >= 2
+    else:  # the joint attention of the double block, the text refiner's two blocks; the modulations split on
+        # their input: no collective-permute (split on their output, the modulation vector's parts moved around)
+        assert step.mosaic_kernels == 3 and step.all_reduces >= 2 and step.collective_permutes == 0
     assert "LTX-2" in report.rules or "HunyuanVideo" in report.rules
     assert "FITS" in format_native_report(report)
+
+
+def test_the_original_hunyuanvideo_builds_with_0_33s_class(comfy):
+    """0.33's HunyuanVideo class requires HunyuanVideo 1.5's options: plan passes them off for the original model."""
+    from tpu_runtime.bridge.architectures import architecture
+
+    module = architecture("hunyuanvideo").build(layers=1)
+    assert module.vision_in is None and module.cond_type_embedding is None

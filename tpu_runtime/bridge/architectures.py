@@ -39,6 +39,10 @@ class NativeArchitecture:
     vae: str | None = None  # the VAE (``COMPONENTS``) its graphs load, planned with it
     size_multiple: int | None = None  # what height and width must be a multiple of (default: 2 latent pixels)
     audio: tuple[int, int] | None = None  # LTX-2: the audio latent's channels and frequency bins (25 a second)
+    # options a newer ComfyUI's class requires (HunyuanVideo 1.5's in 0.33, off for the original), passed when the
+    # class's parameter dataclass ``params`` ("module:Class") has them
+    later: tuple[tuple[str, object], ...] = ()
+    params: str | None = None
 
     def build(self, layers: int | None = None, dtype=torch.bfloat16) -> torch.nn.Module:
         """ComfyUI's class at this size, on ``meta`` (``layers``: a reduced depth for a quick check)."""
@@ -53,6 +57,12 @@ class NativeArchitecture:
                 config["depth_single_blocks"] = min(layers, config["depth_single_blocks"])
             else:
                 config[self.layers_key] = layers
+        if self.later:
+            import dataclasses
+
+            params_module, params_class = self.params.split(":")
+            fields = {f.name for f in dataclasses.fields(getattr(importlib.import_module(params_module), params_class))}
+            config.update({k: v for k, v in self.later if k in fields and k not in config})
         return cls(**config, device="meta", dtype=dtype, operations=comfy.ops.disable_weight_init)
 
     def latent_shape(self, batch: int, height: int, width: int, frames: int) -> tuple[int, ...]:
@@ -204,7 +214,8 @@ ARCHITECTURES: dict[str, NativeArchitecture] = {a.name: a for a in (
                             depth_single_blocks=40, axes_dim=[16, 56, 56], theta=256, patch_size=[1, 2, 2],
                             qkv_bias=True, guidance_embed=True, meanflow=False, byt5=False),
                        16, (4, 8), (720, 1280, 129), (256, 4096), extra=("pooled", "guidance", "mask"),
-                       layers_key="depth"),
+                       layers_key="depth", params="comfy.ldm.hunyuan_video.model:HunyuanVideoParams",
+                       later=(("use_cond_type_embedding", False), ("vision_in_dim", None), ("meanflow_sum", False))),
     NativeArchitecture("ltxv-2b", "comfy.ldm.lightricks.model:LTXVModel",
                        dict(in_channels=128, cross_attention_dim=2048, attention_head_dim=64, num_attention_heads=32,
                             caption_channels=4096, num_layers=28), 128, (8, 32), (512, 768, 121), (128, 4096),
