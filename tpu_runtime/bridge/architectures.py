@@ -37,6 +37,12 @@ class NativeArchitecture:
     channels_in: int | None = None  # the latents' channels as the model takes them (I2V: noise + mask + image)
     text_encoder: str | None = None  # the text encoder (``COMPONENTS``) its graphs load, planned with it
     vae: str | None = None  # the VAE (``COMPONENTS``) its graphs load, planned with it
+    size_multiple: int | None = None  # what height and width must be a multiple of (default: 2 latent pixels)
+    audio: tuple[int, int] | None = None  # LTX-2: the audio latent's channels and frequency bins (25 a second)
+    # options a newer ComfyUI's class requires (HunyuanVideo 1.5's in 0.33, off for the original), passed when the
+    # class's parameter dataclass ``params`` ("module:Class") has them
+    later: tuple[tuple[str, object], ...] = ()
+    params: str | None = None
 
     def build(self, layers: int | None = None, dtype=torch.bfloat16) -> torch.nn.Module:
         """ComfyUI's class at this size, on ``meta`` (``layers``: a reduced depth for a quick check)."""
@@ -51,6 +57,12 @@ class NativeArchitecture:
                 config["depth_single_blocks"] = min(layers, config["depth_single_blocks"])
             else:
                 config[self.layers_key] = layers
+        if self.later:
+            import dataclasses
+
+            params_module, params_class = self.params.split(":")
+            fields = {f.name for f in dataclasses.fields(getattr(importlib.import_module(params_module), params_class))}
+            config.update({k: v for k, v in self.later if k in fields and k not in config})
         return cls(**config, device="meta", dtype=dtype, operations=comfy.ops.disable_weight_init)
 
     def latent_shape(self, batch: int, height: int, width: int, frames: int) -> tuple[int, ...]:
@@ -59,8 +71,9 @@ class NativeArchitecture:
 
     def check_size(self, height: int, width: int, frames: int) -> None:
         t, s = self.compression
-        if height % (2 * s) or width % (2 * s):
-            raise InputError(f"--height/--width {height}x{width}: {self.name} takes multiples of {2 * s}")
+        multiple = self.size_multiple or 2 * s
+        if height % multiple or width % multiple:
+            raise InputError(f"--height/--width {height}x{width}: {self.name} takes multiples of {multiple}")
         if (frames - 1) % t:
             lower = (frames - 1) // t * t + 1
             raise InputError(f"--frames {frames}: {self.name} takes {t}N+1 frames, e.g. {lower} or {lower + t}")
@@ -88,6 +101,11 @@ class NativeArchitecture:
             shape[1] = self.config["vace_in_dim"]
             kwargs["vace_context"] = torch.empty(batch, 1, *shape[1:], dtype=dtype, **meta)
             kwargs["vace_strength"] = [1.0]
+        if self.audio:  # LTX-2: video and audio latents as a list, the audio's timestep beside the video's
+            channels, bins = self.audio
+            length = round(frames / LTXAV_FRAME_RATE * LTXAV_AUDIO_LATENTS_PER_SECOND)
+            x = [x, torch.empty(batch, channels, length, bins, dtype=dtype, **meta)]
+            kwargs.update(attention_mask=None, frame_rate=LTXAV_FRAME_RATE, a_timestep=t)
         return (x, t, context), kwargs
 
     @property
@@ -146,6 +164,34 @@ def _wan(dim: int, ffn: int, layers: int, model_type: str = "t2v", in_dim: int =
 
 
 WAN = "comfy.ldm.wan.model:WanModel"
+LTXAV_FRAME_RATE = 25
+LTXAV_AUDIO_LATENTS_PER_SECOND = 25  # 16 kHz, hop 160, 4 spectrogram frames a latent (ComfyUI's LTX-2 audio VAE)
+
+# LTX-2 19B (Lightricks/LTX-2, ComfyUI 0.33's LTXAVModel): its defaults are the release's; ComfyUI's detection
+# (model_detection.py) reads 48 blocks and attn2.to_k (4096 x 4096: 32 heads of 128, text 4096 wide) from the file.
+# The context reaching the model is its two text connectors' output: 1024 tokens (the prompt, then learnable
+# registers), the video's and the audio's 3840 features side by side.
+LTX2_19B = dict(in_channels=128, audio_in_channels=128, cross_attention_dim=4096, audio_cross_attention_dim=2048,
+                attention_head_dim=128, audio_attention_head_dim=64, num_attention_heads=32,
+                audio_num_attention_heads=32, caption_channels=3840, num_layers=48)
+# LTX-2.3 22B (Lightricks/LTX-2.3): the same stream widths, with the options its file's config sets (read as ComfyUI
+# maps them; diffusers' conversion script names them gated_attn, cross_attn_mod, per_modality_projections): gated
+# attention, cross-attention AdaLN with a prompt AdaLN, the text projected per stream by the text encoder (4096 video,
+# 2048 audio features: the connectors take them as they are), connectors of 8 gated blocks as wide as each stream.
+LTX23_22B = dict(LTX2_19B, apply_gated_attention=True, cross_attention_adaln=True, caption_proj_before_connector=True,
+                 caption_projection_first_linear=False, connector_num_layers=8, connector_num_attention_heads=32,
+                 connector_attention_head_dim=128, audio_connector_num_attention_heads=32,
+                 audio_connector_attention_head_dim=64, connector_apply_gated_attention=True)
+# HunyuanVideo 1.5 (tencent/HunyuanVideo-1.5, 8.3B; ComfyUI's HunyuanVideo class with 0.33's options, detection in
+# model_detection.py): img_in 65 channels in (32 noise + 32 image condition + 1 mask, for T2V too), patch 1x1x1,
+# 2048 wide (16 heads of 128), 54 double blocks and no single ones, Qwen 2.5-VL-7B text (3584), ByT5 glyph text,
+# SigLIP image features (vision_in 1152: what tells 1.5), the condition-type embedding; no guidance embedding (the
+# CFG-distilled files add one).
+HUNYUAN_VIDEO_15 = dict(image_model="hunyuan_video", in_channels=65, out_channels=32, vec_in_dim=None,
+                        context_in_dim=3584, hidden_size=2048, mlp_ratio=4.0, num_heads=16, depth=54,
+                        depth_single_blocks=0, axes_dim=[16, 56, 56], theta=256, patch_size=[1, 1, 1], qkv_bias=True,
+                        guidance_embed=False, meanflow=False, byt5=True, use_cond_type_embedding=True,
+                        vision_in_dim=1152, meanflow_sum=True)
 ARCHITECTURES: dict[str, NativeArchitecture] = {a.name: a for a in (
     NativeArchitecture("wan2.1-t2v-1.3b", WAN, _wan(1536, 8960, 30), 16, (4, 8), (480, 832, 81), (512, 4096),
                        family="wan2.1-t2v-1.3b", text_encoder="umt5-xxl", vae="wan2.1-vae"),
@@ -168,7 +214,8 @@ ARCHITECTURES: dict[str, NativeArchitecture] = {a.name: a for a in (
                             depth_single_blocks=40, axes_dim=[16, 56, 56], theta=256, patch_size=[1, 2, 2],
                             qkv_bias=True, guidance_embed=True, meanflow=False, byt5=False),
                        16, (4, 8), (720, 1280, 129), (256, 4096), extra=("pooled", "guidance", "mask"),
-                       layers_key="depth"),
+                       layers_key="depth", params="comfy.ldm.hunyuan_video.model:HunyuanVideoParams",
+                       later=(("use_cond_type_embedding", False), ("vision_in_dim", None), ("meanflow_sum", False))),
     NativeArchitecture("ltxv-2b", "comfy.ldm.lightricks.model:LTXVModel",
                        dict(in_channels=128, cross_attention_dim=2048, attention_head_dim=64, num_attention_heads=32,
                             caption_channels=4096, num_layers=28), 128, (8, 32), (512, 768, 121), (128, 4096),
@@ -177,6 +224,15 @@ ARCHITECTURES: dict[str, NativeArchitecture] = {a.name: a for a in (
                        dict(in_channels=128, cross_attention_dim=4096, attention_head_dim=128, num_attention_heads=32,
                             caption_channels=4096, num_layers=48), 128, (8, 32), (512, 768, 121), (128, 4096),
                        extra=("mask", "frame_rate")),
+    NativeArchitecture("ltx2-19b", "comfy.ldm.lightricks.av_model:LTXAVModel", LTX2_19B, 128, (8, 32),
+                       (512, 768, 121), (1024, 2 * 3840), audio=(8, 16), size_multiple=32,
+                       notes="video with sound: the audio stream's latents beside the video's"),
+    NativeArchitecture("ltx2.3-22b", "comfy.ldm.lightricks.av_model:LTXAVModel", LTX23_22B, 128, (8, 32),
+                       (512, 768, 121), (1024, 4096 + 2048), audio=(8, 16), size_multiple=32,
+                       notes="video with sound: the audio stream's latents beside the video's"),
+    NativeArchitecture("hunyuanvideo1.5", "comfy.ldm.hunyuan_video.model:HunyuanVideo", HUNYUAN_VIDEO_15, 32,
+                       (4, 16), (720, 1280, 121), (256, 3584), extra=("guidance",), layers_key="depth",
+                       channels_in=65, size_multiple=16, notes="720p T2V and I2V (one architecture)"),
 )}
 
 

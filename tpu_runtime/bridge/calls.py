@@ -9,6 +9,10 @@ turns such a call into
 - the *structure*: a hashable description of everything else, tensor shapes and dtypes included. Two calls with
   the same structure run the same program; anything else compiles another one (a Python number is a constant of
   the program, one program per value, as ``jax.jit`` treats static arguments).
+- *constant tensors*: the tensors of arguments named in ``constants`` are constants of the program like Python
+  numbers (their values are in the structure): a model whose code branches on a tensor's values or sizes a tensor
+  by them (LTX's denoise mask: which frames are kept, which tokens take part) traces with the values known. Meant
+  for tensors that stay the same through a sampling run.
 
 ``RecordedSequence`` does for a list argument what ``RecordedOptions`` does for the options: ComfyUI passes its text
 models the prompt's token count as a Python list (``num_tokens``) that most of them never read; the list keys a
@@ -18,7 +22,10 @@ program only when the model read it while traced.
 values that change at every call (the current sigma, the conds' uuids) beside values a model reads (patches, block
 replacements): a program depends only on what the model read during its trace, so those reads are recorded, with
 a fingerprint of each value, and a compiled program is reused for a later call only when every value it read is
-the same.
+the same. A model that copies the whole options into a dict of its own (LTX's ``{**transformer_options, **kwargs}``)
+gets its tensors and lists as stand-ins that record a read when they are used (``RecordedTensor``,
+``RecordedSequence``): the sampler's per-call values (the current ``sigmas``, the conds' ``uuids``) key a program only
+if the model uses them.
 """
 
 from __future__ import annotations
@@ -63,12 +70,16 @@ class SplitCall:
     objects: list = field(default_factory=list)
 
 
-def split_call(tree: Any) -> SplitCall:
-    """Split a nested call value (see the module's docstring)."""
+def split_call(tree: Any, constants: tuple[str, ...] = ()) -> SplitCall:
+    """Split a nested call value (see the module's docstring); tensors under a dict key named in ``constants`` are
+    constants of the program."""
     leaves: list = []
     objects: list = []
 
-    def walk(x):
+    def walk(x, name=None):
+        if name in constants and isinstance(x, torch.Tensor):
+            objects.append(x)
+            return ("C", len(objects) - 1, fingerprint(x, []))
         if isinstance(x, torch.Tensor):
             leaves.append(x)
             return ("T", tuple(x.shape), str(x.dtype))
@@ -80,7 +91,7 @@ def split_call(tree: Any) -> SplitCall:
         if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
             return ("L" if type(x) is list else "U", tuple(walk(v) for v in x))
         if type(x) is dict and all(isinstance(k, _SCALARS) for k in x):
-            return ("D", tuple((k, walk(v)) for k, v in x.items()))
+            return ("D", tuple((k, walk(v, k)) for k, v in x.items()))
         objects.append(x)
         return ("O", len(objects) - 1, type(x).__qualname__, id(x))
 
@@ -88,13 +99,17 @@ def split_call(tree: Any) -> SplitCall:
 
 
 def rebuild(structure: tuple, leaves: list, objects: list) -> Any:
-    """The call value ``structure`` describes, with ``leaves`` (in order) where its tensors were."""
+    """The call value ``structure`` describes, with ``leaves`` (in order) where its tensors were; constant tensors
+    stay host tensors (inside a program, torch computes with them on the host while the program is traced, and
+    what they meet on the devices takes them as constants)."""
     position = iter(range(len(leaves)))
 
     def build(node):
         kind = node[0]
         if kind == "T":
             return leaves[next(position)]
+        if kind == "C":
+            return objects[node[1]]
         if kind == "S":
             return node[2]
         if kind == "L":
@@ -188,22 +203,66 @@ class RecordedSequence(Sequence):
         return repr(self._note())
 
 
+class RecordedTensor(torch.Tensor):
+    """A tensor option handed to a whole copy of the options: the first torch operation on it (an item, arithmetic,
+    a comparison, a cast) records the option's value in ``log``; a copy that is never used records nothing."""
+
+    @staticmethod
+    def __new__(cls, value: torch.Tensor, key, log: "OptionReads"):
+        stand_in = torch.Tensor._make_subclass(cls, value)
+        stand_in._recorded = (key, value, log)
+        return stand_in
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        def plain(x):
+            if isinstance(x, RecordedTensor):
+                key, value, log = x._recorded
+                if key not in log.reads:
+                    log.reads[key] = fingerprint(value, log.keep)
+                return value
+            return x
+
+        args, kwargs = torch.utils._pytree.tree_map(plain, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _stand_in(key, value, log: "OptionReads"):
+    """What a whole copy of the options holds for ``value``: tensors and lists as stand-ins that record their read
+    when used, anything else ``None`` (recorded at once)."""
+    if type(value) is torch.Tensor:
+        return RecordedTensor(value, key, log)
+    if type(value) is list:
+        return RecordedSequence(key, value, log)
+    return None
+
+
 class RecordedOptions(dict):
     """``transformer_options`` as the model sees it while traced: reads are recorded in ``log`` (the first read of
-    each key, unless the model wrote it first); writes stay in this copy. ``copy()`` shares the log."""
+    each key, unless the model wrote it first); writes stay in this copy. ``copy()`` shares the log.
+
+    Copying the whole options (``{**options}``, ``dict(options)``: Python asks ``keys()``, then each item) records
+    each value when it is handed out, tensors and lists when the copy's holder uses them (``_stand_in``)."""
 
     def __init__(self, data: dict, log: OptionReads, written: set | None = None):
         super().__init__(data)
         self._log = log
         self._written = set(written or ())
+        self._handing_out: set = set()
 
     def _note(self, key) -> None:
         if key not in self._written and key not in self._log.reads:
             self._log.reads[key] = fingerprint(dict.get(self, key, MISSING), self._log.keep)
 
     def __getitem__(self, key):
+        value = super().__getitem__(key)
+        if key in self._handing_out:
+            self._handing_out.discard(key)
+            stand_in = _stand_in(key, value, self._log) if key not in self._written else None
+            if stand_in is not None:
+                return stand_in
         self._note(key)
-        return super().__getitem__(key)
+        return value
 
     def get(self, key, default=None):
         self._note(key)
@@ -244,7 +303,7 @@ class RecordedOptions(dict):
         return super().__iter__()
 
     def keys(self):
-        self._everything()
+        self._handing_out = set(dict.keys(self))  # a copy follows: each item is recorded as it is handed out
         return super().keys()
 
     def values(self):
@@ -256,7 +315,8 @@ class RecordedOptions(dict):
         return super().items()
 
     def copy(self) -> "RecordedOptions":
-        return RecordedOptions(dict.copy(self), self._log, self._written)
+        data = {k: dict.__getitem__(self, k) for k in dict.keys(self)}  # the items, none handed out nor read
+        return RecordedOptions(data, self._log, self._written)
 
     def __copy__(self) -> "RecordedOptions":
         return self.copy()

@@ -279,6 +279,18 @@ def held_forward(owner, part: str, settings, build: Callable[[], BridgedForward]
         return forward
 
 
+# Per model class (any class in its MRO): the arguments of its forward whose tensors its code uses as Python values
+# and that stay the same through a sampling run, compiled as constants of the program (``calls.split_call``). LTX
+# (LTX-Video, LTX-2): the denoise mask, whose values decide which frames share a timestep and which keyframe tokens
+# take part.
+CONSTANT_ARGUMENTS = {"LTXVModel": ("denoise_mask",)}
+
+
+def constant_arguments(module: torch.nn.Module) -> tuple[str, ...]:
+    names = {cls.__name__ for cls in type(module).__mro__}
+    return tuple(arg for cls, args in CONSTANT_ARGUMENTS.items() if cls in names for arg in args)
+
+
 def _forward_for(base_model, settings: BridgeSettings) -> BridgedForward:
     """One bridged forward (one device copy) per loaded model; new settings replace the old copy."""
 
@@ -288,7 +300,8 @@ def _forward_for(base_model, settings: BridgeSettings) -> BridgedForward:
         bridged = BridgedModule(
             module=module, method=getattr(type(module), method_name), rules=rules_for(module),
             mesh_spec=settings.mesh, attention=settings.attention, prepare_options=_with_attention,
-            label=type(module).__name__,
+            label=type(module).__name__, constant_args=constant_arguments(module),
+            trace_context=lambda: comfy_attention_on_runtime(module),  # attention called without the override
         )
         bridged.method_name = method_name
         return BridgedForward(bridged, base_model)
@@ -383,6 +396,10 @@ def diffusion_model_on_runtime(patcher, settings: BridgeSettings):
                          f"diffusion model loader (Load Diffusion Model, Load Checkpoint)")
     forward = _forward_for(base, settings)
     clone.add_object_patch(f"diffusion_model.{forward.bridged.method_name}", forward)
+    from .connectors import connector_patches  # LTX-2's text connectors, run while ComfyUI prepares the conds
+
+    for key, patch in connector_patches(base, settings).items():
+        clone.add_object_patch(key, patch)
     cast = compute_dtype_patch(base, settings.compute_dtype)
     if cast is not _KEEP:  # always: the live attribute may be another clone's patch, undone when this one loads
         clone.add_object_patch("manual_cast_dtype", cast)

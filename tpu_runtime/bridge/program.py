@@ -138,6 +138,7 @@ class BridgedModule:
     recorded_args: tuple[str, ...] = ()
     skip_weights: frozenset = frozenset()
     memory_hint: str = ""
+    constant_args: tuple[str, ...] = ()  # arguments whose tensors are constants of the program (``calls``)
 
     def __post_init__(self):
         self.signature = inspect.signature(self.method)
@@ -314,7 +315,7 @@ class BridgedModule:
         if options is not None and self.prepare_options is not None:
             options = self.prepare_options(dict(options))
         recorded = {name: keyword.pop(name) for name in self.recorded_args if isinstance(keyword.get(name), list)}
-        call = split_call((positional, keyword))
+        call = split_call((positional, keyword), self.constant_args)
         runtime = self.runtime
         mesh = self.mesh
         state = self.place()

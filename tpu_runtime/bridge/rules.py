@@ -104,17 +104,26 @@ WAN = ArchRules(
 )
 
 # comfy/ldm/hunyuan_video/model.py (Flux-style layers): double_blocks.N.{img,txt}_attn.qkv / proj,
-# {img,txt}_mlp.0 / .2, {img,txt}_mod.lin; single_blocks.N.linear1 (qkv and MLP in), linear2, modulation.lin.
+# {img,txt}_mlp.0 / .2, {img,txt}_mod.lin; single_blocks.N.linear1 (qkv and MLP in), linear2, modulation.lin; the
+# text refiner's blocks (txt_in.individual_token_refiner.blocks.N.self_attn.qkv / proj, mlp.0 / .2). HunyuanVideo 1.5
+# is the same class (double blocks only, 2048 wide, 16 heads): its ByT5 and SigLIP projections are small, whole.
 HUNYUAN_VIDEO = ArchRules(
     name="HunyuanVideo",
     classes=("HunyuanVideo",),
     weights=(
         *_attention(r"double_blocks\.\d+\.(img|txt)_attn", "qkv", "proj"),
         *_mlp(r"double_blocks\.\d+\.(img|txt)_mlp", "0", "2"),
-        (r"double_blocks\.\d+\.(img|txt)_mod\.lin\.weight$", COLUMN),
-        (r"single_blocks\.\d+\.(linear1|modulation\.lin)\.weight$", COLUMN),
-        (r"single_blocks\.\d+\.(linear1|modulation\.lin)\.bias$", VECTOR),
+        # the modulations (6 x hidden wide, a third of HunyuanVideo 1.5's weights) split on their input: each chip
+        # sums its part of the small modulation vector (one all-reduce); split on their output, the vector's parts
+        # were gathered again before every use (a reduced 1.5 step for v6e-8: 23 all-gathers and 105
+        # collective-permutes against 7 and 0, and 38% less temporary memory, for the same weights per chip)
+        (r"double_blocks\.\d+\.(img|txt)_mod\.lin\.weight$", ROW),
+        (r"single_blocks\.\d+\.modulation\.lin\.weight$", ROW),
+        (r"single_blocks\.\d+\.linear1\.weight$", COLUMN),
+        (r"single_blocks\.\d+\.linear1\.bias$", VECTOR),
         (r"single_blocks\.\d+\.linear2\.weight$", ROW),
+        *_attention(r"txt_in\.individual_token_refiner\.blocks\.\d+\.self_attn", "qkv", "proj"),
+        *_mlp(r"txt_in\.individual_token_refiner\.blocks\.\d+\.mlp", "0", "2"),
     ),
     heads=("num_heads",),
 )
@@ -131,7 +140,27 @@ LTXV = ArchRules(
     heads=("num_attention_heads", "num_heads"),
 )
 
-KNOWN: tuple[ArchRules, ...] = (WAN, HUNYUAN_VIDEO, LTXV)
+# comfy/ldm/lightricks/av_model.py (LTX-2, ComfyUI 0.33): the video and the audio stream in each block,
+# transformer_blocks.N.{attn1, attn2} (video self and text attention), {audio_attn1, audio_attn2} (audio), and the
+# two streams' attention to each other (audio_to_video_attn, video_to_audio_attn): to_q, to_k, to_v, to_out.0, q_norm
+# / k_norm over all heads; ff / audio_ff (net.0.proj, net.2). The text connectors ({video,audio}_embeddings_connector:
+# transformer_1d_blocks.N.attn1 / ff, the prompt's own attention before sampling) alike. Listed before LTX-Video:
+# LTXAVModel is an LTXVModel.
+LTXAV = ArchRules(
+    name="LTX-2",
+    classes=("LTXAVModel",),
+    weights=(
+        *_attention(r"transformer_blocks\.\d+\.(attn[12]|audio_attn[12]|audio_to_video_attn|video_to_audio_attn)",
+                    "to_q|to_k|to_v", r"to_out\.0", "q_norm|k_norm"),
+        *_mlp(r"transformer_blocks\.\d+\.(ff|audio_ff)\.net", r"0\.proj", "2"),
+        *_attention(r"(video|audio)_embeddings_connector\.transformer_1d_blocks\.\d+\.attn1", "to_q|to_k|to_v",
+                    r"to_out\.0", "q_norm|k_norm"),
+        *_mlp(r"(video|audio)_embeddings_connector\.transformer_1d_blocks\.\d+\.ff\.net", r"0\.proj", "2"),
+    ),
+    heads=("num_attention_heads", "num_heads"),
+)
+
+KNOWN: tuple[ArchRules, ...] = (WAN, HUNYUAN_VIDEO, LTXAV, LTXV)
 GENERIC = ArchRules(name="generic", generic=True)
 
 # Text encoders, in the names of ComfyUI's text models (the ``transformer`` of an SDClipModel). Heads are read from

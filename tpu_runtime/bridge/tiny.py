@@ -33,11 +33,12 @@ def random_state(module: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
 
 
 def save_diffusion_model(module: torch.nn.Module, path: Path, seed: int, dtype=torch.float32,
-                         prefix: str = "model.diffusion_model.") -> Path:
-    """``module``'s random weights as ComfyUI's single file (the key prefix its checkpoint files carry)."""
+                         prefix: str = "model.diffusion_model.", metadata: dict | None = None) -> Path:
+    """``module``'s random weights as ComfyUI's single file (the key prefix its checkpoint files carry; ``metadata``:
+    the file's header metadata, e.g. the ``config`` LTX-2 files carry)."""
     from safetensors.torch import save_file
 
-    save_file({prefix + k: v.to(dtype) for k, v in random_state(module, seed).items()}, str(path))
+    save_file({prefix + k: v.to(dtype) for k, v in random_state(module, seed).items()}, str(path), metadata=metadata)
     return path
 
 
@@ -323,3 +324,186 @@ def save_clip_vision(clip_vision, path: Path) -> Path:
 
     save_file({k: v.contiguous() for k, v in clip_vision.get_sd().items()}, str(path))
     return path
+
+
+# --- ComfyUI 0.33's video model classes -------------------------------------------------------------------------------
+# LTX-2 (comfy/ldm/lightricks/av_model.py) as its files carry their configuration (the header's ``config``, read by
+# ComfyUI's detection over what the shapes say): video and audio streams, their text connectors, at a tiny width. The
+# audio latent's 8 channels x 16 frequency bins are fixed by the class (its audio input is 128 wide).
+LTXAV_TINY = {
+    "in_channels": 128, "audio_in_channels": 128, "num_attention_heads": 2, "attention_head_dim": 32,
+    "cross_attention_dim": 64, "audio_num_attention_heads": 2, "audio_attention_head_dim": 16,
+    "audio_cross_attention_dim": 32, "caption_channels": 64, "num_layers": 2, "connector_num_attention_heads": 2,
+    "connector_attention_head_dim": 32, "connector_num_layers": 1,
+}
+
+
+def tiny_ltxav(**overrides) -> tuple[torch.nn.Module, dict]:
+    """ComfyUI's LTX-2 class (``LTXAVModel``) at a tiny size, and the file metadata that describes it (pass both to
+    ``save_diffusion_model``)."""
+    import json
+
+    import comfy.ldm.lightricks.av_model as av
+    import comfy.ops
+
+    config = {**LTXAV_TINY, **overrides}
+    module = av.LTXAVModel(**config, operations=comfy.ops.disable_weight_init)
+    return module, {"config": json.dumps({"transformer": config})}
+
+
+def tiny_hunyuan_video_15(hidden: int = 128, context: int = 64, depth: int = 2) -> torch.nn.Module:
+    """ComfyUI's HunyuanVideo class as HunyuanVideo 1.5 builds it (comfy/ldm/hunyuan_video/model.py with 0.33's
+    options): 32 latent channels taken with the image condition and its mask (65 in), patch 1x1x1, double blocks
+    only, ByT5 glyph text, SigLIP image features (1152 wide: what detection reads to tell 1.5), the condition-type
+    embedding; heads of 128 as the released model's."""
+    import comfy.ldm.hunyuan_video.model as hv
+    import comfy.ops
+
+    return hv.HunyuanVideo(
+        image_model="hunyuan_video", operations=comfy.ops.disable_weight_init, in_channels=65, out_channels=32,
+        vec_in_dim=None, context_in_dim=context, hidden_size=hidden, mlp_ratio=4.0, num_heads=hidden // 128,
+        depth=depth, depth_single_blocks=0, axes_dim=[16, 56, 56], theta=256, patch_size=[1, 1, 1], qkv_bias=True,
+        guidance_embed=False, meanflow=False, byt5=True, use_cond_type_embedding=True, vision_in_dim=1152,
+        meanflow_sum=True)
+
+
+def tiny_kandinsky5(model_dim: int = 128, blocks: int = 2) -> torch.nn.Module:
+    """ComfyUI's Kandinsky 5 video class (comfy/ldm/kandinsky5/model.py) at a tiny width; the text widths are the
+    class's (Qwen 2.5-VL's 3584, CLIP-L's pooled 768: its detection does not read them), heads of 64."""
+    import comfy.ldm.kandinsky5.model as k5
+    import comfy.ops
+
+    return k5.Kandinsky5(in_visual_dim=16, out_visual_dim=16, time_dim=64, model_dim=model_dim, ff_dim=2 * model_dim,
+                         visual_embed_dim=132, num_text_blocks=1, num_visual_blocks=blocks,
+                         operations=comfy.ops.disable_weight_init)
+
+
+def tiny_wan_animate(dim: int = 128, layers: int = 5) -> torch.nn.Module:
+    """ComfyUI's Wan 2.2 Animate class (comfy/ldm/wan/model_animate.py): an I2V Wan with pose latents, the face motion
+    encoder (its fixed size: 512x512 face crops) and a face adapter block every 5 layers (5 layers: one, which is
+    what detection looks for)."""
+    import comfy.ldm.wan.model_animate as animate
+    import comfy.ops
+
+    return animate.AnimateWanModel(dim=dim, ffn_dim=2 * dim, num_heads=max(1, dim // 128), num_layers=layers,
+                                   in_dim=36, out_dim=16, text_dim=4096, operations=comfy.ops.disable_weight_init)
+
+
+def tiny_cogvideox(heads: int = 2, layers: int = 2, text_dim: int = 64) -> torch.nn.Module:
+    """ComfyUI's native CogVideoX class (comfy/ldm/cogvideo/model.py) as 5B-style files build it (rotary positions,
+    heads of 64), at a tiny width."""
+    import comfy.ldm.cogvideo.model as cogvideo
+    import comfy.ops
+
+    return cogvideo.CogVideoXTransformer3DModel(
+        num_attention_heads=heads, attention_head_dim=64, in_channels=16, out_channels=16, time_embed_dim=64,
+        text_embed_dim=text_dim, num_layers=layers, use_rotary_positional_embeddings=True,
+        use_learned_positional_embeddings=False, operations=comfy.ops.disable_weight_init)
+
+
+# LTX-2's audio VAE and vocoder (comfy/ldm/lightricks/vae/audio_vae.py) as the file's header describes them: the
+# released layout (stereo mel spectrograms of 64 bins, 16 kHz, hop 160; latents of 8 channels x 16 bins, 4x in time)
+# with 16 base channels, one block a level and a small vocoder (its upsampling still 160x: one sample per hop).
+LTXAV_TINY_AUDIO_VAE = {
+    "model": {"params": {"sampling_rate": 16000, "ddconfig": {
+        "double_z": True, "mel_bins": 64, "z_channels": 8, "resolution": 256, "downsample_time": False,
+        "in_channels": 2, "out_ch": 2, "ch": 16, "ch_mult": [1, 2, 4], "num_res_blocks": 1, "attn_resolutions": [],
+        "dropout": 0.0, "mid_block_add_attention": False, "norm_type": "pixel", "causality_axis": "height"}}},
+    "preprocessing": {"stft": {"filter_length": 1024, "hop_length": 160}},
+}
+LTXAV_TINY_VOCODER = {
+    "upsample_initial_channel": 32, "upsample_rates": [5, 4, 2, 2, 2], "upsample_kernel_sizes": [11, 8, 4, 4, 4],
+    "resblock_kernel_sizes": [3], "resblock_dilation_sizes": [[1, 3, 5]], "stereo": True, "output_sample_rate": 16000,
+}
+
+
+def tiny_audio_vae(seed: int = 0):
+    """LTX-2's audio VAE as ComfyUI's VAE object (what LTXV Audio VAE Loader gives), made by ComfyUI's own loader from
+    a random state dict in the file's layout (``audio_vae.`` and ``vocoder.`` keys) and the header's config."""
+    import json
+
+    import comfy.ldm.lightricks.vae.audio_vae as audio_vae
+    import comfy.sd
+
+    metadata = {"config": json.dumps({"audio_vae": LTXAV_TINY_AUDIO_VAE, "vocoder": LTXAV_TINY_VOCODER})}
+    state = random_state(audio_vae.AudioVAE(metadata=metadata), seed)
+    for name in [k for k in state if k.endswith("std-of-means")]:
+        state[name] = state[name].abs() + 0.5  # latent statistics: a spread, positive
+    state = {("audio_vae." + k[len("autoencoder."):] if k.startswith("autoencoder.") else k): v
+             for k, v in state.items()}
+    return comfy.sd.VAE(sd=state, metadata=metadata)
+
+
+def tiny_hunyuan_video_15_vae(seed: int = 0, dtype=torch.float32):
+    """HunyuanVideo 1.5's VAE (comfy/ldm/hunyuan_video/vae_refiner.py: 32 latent channels, 16x in space, 4x in time)
+    as ComfyUI's VAE object, made by its own loader, at reduced widths (ComfyUI builds it at a fixed size)."""
+    import comfy.ldm.hunyuan_video.vae_refiner as refiner
+    import comfy.sd
+    from comfy.ldm.models.autoencoder import AutoencodingEngine
+
+    widths = dict(block_out_channels=[8, 16, 16, 64, 64])  # the last two: twice the latent channels at least
+    config = {"block_out_channels": [128, 256, 512, 1024, 1024], "in_channels": 3, "out_channels": 3,
+              "num_res_blocks": 2, "ffactor_spatial": 16, "ffactor_temporal": 4, "downsample_match_channel": True,
+              "upsample_match_channel": True, "z_channels": 32}
+    with _reduced(refiner, "Encoder", **widths), _reduced(refiner, "Decoder", **widths):
+        module = AutoencodingEngine(
+            regularizer_config={"target": "comfy.ldm.models.autoencoder.EmptyRegularizer"},
+            encoder_config={"target": "comfy.ldm.hunyuan_video.vae_refiner.Encoder", "params": config},
+            decoder_config={"target": "comfy.ldm.hunyuan_video.vae_refiner.Decoder", "params": config})
+        return comfy.sd.VAE(sd=random_state(module, seed), dtype=dtype)
+
+
+def gemma_tokenizer_data() -> dict:
+    """A tiny real SentencePiece model with Gemma's special ids (pad 0, eos 1, bos 2, unk 3), as ComfyUI reads it
+    from a Gemma 3 file (``spiece_model``)."""
+    import io
+
+    import sentencepiece
+
+    from ..engine.tiny import CORPUS
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS * 4), model_writer=model, vocab_size=96, model_type="unigram", pad_id=0,
+        eos_id=1, bos_id=2, unk_id=3, hard_vocab_limit=False, minloglevel=2)
+    return {"spiece_model": torch.frombuffer(bytearray(model.getvalue()), dtype=torch.uint8)}
+
+
+# Gemma 3 12B as LTX-2's text encoder reads it (comfy/text_encoders/llama.py), reduced; its head width (256) and
+# its SigLIP vision tower's image size are the class's own.
+GEMMA3_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+               "vocab_size": 128}
+GEMMA3_TINY_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+
+
+def tiny_ltxav_text_encoder(seed: int = 0, dtype=torch.float32, layers: int = 2, projection: int = 64):
+    """LTX-2's text encoder as ComfyUI's CLIP object (what LTXV Audio Text Encoder Loader gives for a Gemma 3 file
+    and an LTX-2 checkpoint): Gemma 3 (every hidden state) and the checkpoint's text projection to ``projection``
+    features (the diffusion model's ``caption_channels``), random, made as ``load_text_encoder_state_dicts`` makes
+    it and loaded from a state dict in the files' layout."""
+    import comfy.sd
+    import comfy.text_encoders.llama as llama
+    import comfy.text_encoders.lt as lt
+
+    class Target:
+        params: dict = {}
+
+    target = Target()
+    target.clip = lt.ltxav_te(text_projection_type="single_linear", video_projection_dim=projection)
+    target.tokenizer = lt.LTXAVGemmaTokenizer
+    options = {"dtype": dtype, "model_name": "gemma3_12b",
+               "gemma3_12b_model_config": {**GEMMA3_TINY, "num_hidden_layers": layers}}
+    vision = llama.Gemma3_12B_Config.vision_config
+    llama.Gemma3_12B_Config.vision_config = {**vision, **GEMMA3_TINY_VISION}  # built with the text model, unused
+    try:
+        clip = comfy.sd.CLIP(target, tokenizer_data=gemma_tokenizer_data(), model_options=options)
+    finally:
+        llama.Gemma3_12B_Config.vision_config = vision
+    model = clip.cond_stage_model
+    state = random_state(model.gemma3_12b.transformer, seed)
+    state.update({f"text_embedding_projection.{k}": v
+                  for k, v in random_state(model.text_embedding_projection, seed + 1).items()})
+    missing, unexpected = clip.load_sd(state)
+    if missing or unexpected:
+        raise RuntimeError(f"tiny LTX-2 text encoder: {missing[:5]} missing, {unexpected[:5]} unexpected")
+    return clip

@@ -56,6 +56,7 @@ import torch
 
 from ..engine.sharding import frame_split_spec
 from ..errors import InputError
+from .audio_vae import audio_vae_parts
 from .comfy import BridgedForward, BridgeSettings, comfy_attention_on_runtime, held_forward, refuse_dynamic_patcher
 from .program import BridgedModule, CacheSettling
 from .rules import ArchRules
@@ -330,7 +331,10 @@ def part_trace_context(module: torch.nn.Module, devices):
 # --- the parts of a VAE ------------------------------------------------------------------------------------------
 def vae_parts(first_stage_model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, object]]:
     """(object patch key, module, method) of each part to bridge: the encoder's and decoder's ``forward`` where
-    the model has them, else its own ``decode`` / ``encode``."""
+    the model has them, else its own ``decode`` / ``encode`` (an audio VAE: ``audio_vae.py``)."""
+    audio = audio_vae_parts(first_stage_model)
+    if audio is not None:
+        return audio
     parts = []
     for name, method in (("decoder", "decode"), ("encoder", "encode")):
         sub = getattr(first_stage_model, name, None)
