@@ -30,6 +30,22 @@ def test_splash_interpret_equals_reference(exp2, lengths):
     assert float(jnp.abs(out - ref).max()) < 1e-5
 
 
+def test_a_kernel_first_made_inside_one_program_serves_the_next():
+    """The splash kernel of a shape is made once and kept: made while one program was traced, it must hold no value
+    of that trace (a second program with the same shapes failed with an escaped tracer)."""
+    import jax
+    import jax.numpy as jnp
+
+    A._splash_kernel.cache_clear()
+    q, k, v = (jnp.asarray(x) for x in _qkv(lq=256, lk=256, seed=3))
+    config = A.AttentionConfig(impl="splash", block_q=128, block_kv=128, block_kv_compute=128)
+    ref = A.reference_attention(q, k, v, 0.125)
+    first = jax.jit(lambda q, k, v: A.splash_attention(q, k, v, 0.125, config, interpret=True))(q, k, v)
+    second = jax.jit(lambda q, k, v: A.splash_attention(q * 1.0, k, v, 0.125, config, interpret=True) + 0.0)(q, k, v)
+    assert A._splash_kernel.cache_info().hits >= 1
+    assert float(jnp.abs(first - ref).max()) < 1e-5 and float(jnp.abs(second - ref).max()) < 1e-5
+
+
 def test_unmasked_zero_padding_would_be_wrong():
     """What the segment ids guard against: zero-padded keys without a mask shift the softmax."""
     import jax.numpy as jnp

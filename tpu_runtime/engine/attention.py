@@ -218,9 +218,15 @@ def _splash_kernel(heads: int, lq_pad: int, lk_pad: int, bq: int, bkv: int, bkv_
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
+    import jax
+
     mask = sm.MultiHeadMask([sm.FullMask((lq_pad, lk_pad)) for _ in range(heads)])
     sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv_c)
-    return sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    # The kernel's mask tables are arrays it keeps: made while a program is traced they would be that trace's values,
+    # and this cache would hand them to the next program with the same shapes (an escaped tracer). Made here as
+    # constants, the kernel is valid in every program.
+    with jax.ensure_compile_time_eval():
+        return sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
 def splash_attention(q, k, v, scale: float, config: AttentionConfig, interpret: bool, narrowing: int = 1,
