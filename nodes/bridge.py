@@ -55,7 +55,7 @@ class TPUDiffusionModel:
 
     def apply(self, model, mesh: str = "auto", attention: str = "auto", compute_dtype: str = "auto",
               cache_dir: str = ""):
-        from tpu_runtime.bridge.comfy import diffusion_model_on_runtime
+        from tpu_runtime.bridge.diffusion import diffusion_model_on_runtime
         from tpu_runtime.engine.runtime import get_runtime
 
         settings = _settings(mesh, attention, compute_dtype)

@@ -216,7 +216,8 @@ def _patcher_of(part: str, value):
 def on_runtime(part: str, value, node: str):
     """``value`` (a loader's output of ``part``) bridged as its TPU node's defaults do, or unchanged (named once in
     the log) when the runtime has no bridge for it."""
-    from .comfy import BridgeSettings, diffusion_model_on_runtime
+    from .comfy import BridgeSettings
+    from .diffusion import diffusion_model_on_runtime
     from .text import text_encoder_on_runtime
     from .vae import vae_on_runtime
     from .vision import clip_vision_on_runtime

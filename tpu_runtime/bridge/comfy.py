@@ -1,7 +1,7 @@
 """ComfyUI's own models on the runtime: the ModelPatcher side of the native bridge (diffusion models here; VAEs in
 ``vae.py`` and text encoders in ``text.py`` use the same forward, registry and attention).
 
-``diffusion_model_on_runtime(patcher, settings)`` returns a clone of ComfyUI's ModelPatcher whose diffusion model
+``diffusion_model_on_runtime(patcher, settings)`` (in ``diffusion.py``) returns a clone of ComfyUI's ModelPatcher whose diffusion model
 runs its forward as compiled programs (``BridgedModule``); everything around the forward stays ComfyUI's: samplers,
 schedulers, CFG and its batching, model sampling, wrappers (EasyCache, context windows, guidance patches), progress,
 previews. How it hooks in:
@@ -291,7 +291,7 @@ def constant_arguments(module: torch.nn.Module) -> tuple[str, ...]:
     return tuple(arg for cls, args in CONSTANT_ARGUMENTS.items() if cls in names for arg in args)
 
 
-def _forward_for(base_model, settings: BridgeSettings) -> BridgedForward:
+def forward_for(base_model, settings: BridgeSettings) -> BridgedForward:
     """One bridged forward (one device copy) per loaded model; new settings replace the old copy."""
 
     def build() -> BridgedForward:
@@ -333,7 +333,7 @@ def bridged_forwards() -> list[BridgedForward]:
 
 def compute_dtype_patch(base_model, compute_dtype: str):
     """The ``manual_cast_dtype`` the model computes with on the runtime, or ``None`` to leave ComfyUI's choice
-    (``_KEEP``: keep what ComfyUI chose). Logs one line: the model, how its weights are stored, the dtype it computes
+    (``KEEP_CAST``: keep what ComfyUI chose). Logs one line: the model, how its weights are stored, the dtype it computes
     in and why.
 
     ``auto`` computes as ComfyUI does on an accelerator with bfloat16: quantized weights (ComfyUI's QuantizedTensors:
@@ -348,7 +348,7 @@ def compute_dtype_patch(base_model, compute_dtype: str):
     config = getattr(base_model, "model_config", None)  # the attribute may hold another clone's object patch now
     host = getattr(config, "manual_cast_dtype", base_model.manual_cast_dtype) or base_model.get_dtype()
     if compute_dtype == "as loaded":
-        chosen, why = _KEEP, "compute_dtype 'as loaded': what ComfyUI chose when it loaded the model"
+        chosen, why = KEEP_CAST, "compute_dtype 'as loaded': what ComfyUI chose when it loaded the model"
     elif storage.quantized or storage.fp8:
         chosen, why = torch.bfloat16, ("quantized or fp8 weights compute in bfloat16 inside the program (dequantized, "
                                        "or int8 matmuls on bfloat16 activations), as ComfyUI computes them on an "
@@ -356,8 +356,8 @@ def compute_dtype_patch(base_model, compute_dtype: str):
     elif base_model.get_dtype() in _HALF:
         chosen, why = None, "bf16/fp16 weights compute in their own dtype, as ComfyUI does on an accelerator"
     else:
-        chosen, why = _KEEP, "float32 weights compute in float32"
-    computed = host if chosen is _KEEP else (chosen or base_model.get_dtype())
+        chosen, why = KEEP_CAST, "float32 weights compute in float32"
+    computed = host if chosen is KEEP_CAST else (chosen or base_model.get_dtype())
     differs = f"; ComfyUI's own run on this host computes {_name(host)} (compute_dtype 'as loaded' matches it)" \
         if computed != host else ""
     log.info("%s: weights %s; computing in %s: %s%s", type(module).__name__, storage.describe(), _name(computed),
@@ -369,7 +369,7 @@ def _name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-_KEEP = object()
+KEEP_CAST = object()
 
 
 def refuse_dynamic_patcher(patcher, what: str) -> None:
@@ -384,23 +384,3 @@ def refuse_dynamic_patcher(patcher, what: str) -> None:
             f"other weight patches only while casting each layer for its GPU, so the TPU runtime cannot take them. "
             f"Start ComfyUI with --cpu (on a TPU VM: ComfyUI keeps its models on the host and the TPU is the "
             f"runtime's) or with --disable-dynamic-vram")
-
-
-def diffusion_model_on_runtime(patcher, settings: BridgeSettings):
-    """A clone of ``patcher`` (ComfyUI's MODEL) whose diffusion model runs on the runtime."""
-    refuse_dynamic_patcher(patcher, type(getattr(getattr(patcher, "model", None), "diffusion_model", patcher)).__name__)
-    clone = patcher.clone()
-    base = clone.model
-    if not hasattr(base, "diffusion_model"):
-        raise InputError(f"the MODEL input holds a {type(base).__name__} without a diffusion model: connect a "
-                         f"diffusion model loader (Load Diffusion Model, Load Checkpoint)")
-    forward = _forward_for(base, settings)
-    clone.add_object_patch(f"diffusion_model.{forward.bridged.method_name}", forward)
-    from .connectors import connector_patches  # LTX-2's text connectors, run while ComfyUI prepares the conds
-
-    for key, patch in connector_patches(base, settings).items():
-        clone.add_object_patch(key, patch)
-    cast = compute_dtype_patch(base, settings.compute_dtype)
-    if cast is not _KEEP:  # always: the live attribute may be another clone's patch, undone when this one loads
-        clone.add_object_patch("manual_cast_dtype", cast)
-    return clone

@@ -24,7 +24,8 @@ def bench_native(comfy_dir: str | None, model_file: str | None = None, *, height
     import torch
 
     from ..bridge.architectures import use_comfyui
-    from ..bridge.comfy import BridgeSettings, diffusion_model_on_runtime
+    from ..bridge.comfy import BridgeSettings
+    from ..bridge.diffusion import diffusion_model_on_runtime
     from ..engine.runtime import compile_stats, get_runtime, runtime_started
     from .bench import _machine
 
