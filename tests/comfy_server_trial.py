@@ -381,6 +381,7 @@ def main() -> int:
 
     link = comfy / "custom_nodes" / "tpu-video-nodes"
     if not link.exists():
+        link.parent.mkdir(exist_ok=True)  # a checkout without custom_nodes/ (a release archive) gets one
         link.symlink_to(ROOT)
     build_models(comfy, args.python, families)
     env = dict(os.environ, JAX_PLATFORMS="cpu")

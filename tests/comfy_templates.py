@@ -18,6 +18,7 @@ import torch
 PACKAGE = "comfyui_workflow_templates_json"
 FRONTEND_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
+DYNAMIC_COMBO = "COMFY_DYNAMICCOMBO_V3"  # a combo whose chosen option brings widgets of its own (ComfyUI 0.33)
 MODEL_TYPES = ("MODEL", "CLIP", "VAE", "CLIP_VISION")
 TPU_NODES = {"MODEL": "TPUDiffusionModel", "CLIP": "TPUTextEncoder", "VAE": "TPUVAE", "CLIP_VISION": "TPUCLIPVision"}
 
@@ -79,11 +80,26 @@ def _widget_names(info: dict) -> list[tuple[str, bool]]:
         for name, spec in info["input"].get(section, {}).items():
             kind = spec[0]
             options = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
-            if isinstance(kind, list) or kind in WIDGET_TYPES:
+            if isinstance(kind, list) or kind in WIDGET_TYPES or kind == DYNAMIC_COMBO:
                 control = bool(options.get("control_after_generate")) or (
                     kind == "INT" and name in ("seed", "noise_seed"))
                 names.append((name, control))
     return names
+
+
+def _take_widgets(info_inputs: dict, values: list, inputs: dict, prefix: str = "") -> None:
+    """Fill ``inputs`` from a node's list of widget values as the frontend lays them: a dynamic combo (0.33's SaveVideo
+    ``format``) is followed by its chosen option's own widgets, named ``combo.widget`` in the API prompt."""
+    for name, control in _widget_names({"input": info_inputs}):
+        if not values:
+            return
+        value = inputs[prefix + name] = values.pop(0)
+        if control and values and values[0] in ("fixed", "increment", "decrement", "randomize"):
+            values.pop(0)
+        spec = info_inputs.get("required", {}).get(name) or info_inputs.get("optional", {}).get(name)
+        if spec[0] == DYNAMIC_COMBO:
+            chosen = {o["key"]: o.get("inputs", {}) for o in spec[1]["options"]}
+            _take_widgets(chosen.get(value, {}), values, inputs, f"{prefix}{name}.")
 
 
 def ui_to_api(workflow: dict, object_info: dict) -> dict:
@@ -117,13 +133,7 @@ def ui_to_api(workflow: dict, object_info: dict) -> dict:
         if isinstance(values, dict):
             inputs.update({k: v for k, v in values.items() if k in {n for n, _ in _widget_names(info)}})
         else:
-            values = list(values)
-            for name, control in _widget_names(info):
-                if not values:
-                    break
-                inputs[name] = values.pop(0)
-                if control and values and values[0] in ("fixed", "increment", "decrement", "randomize"):
-                    values.pop(0)
+            _take_widgets(info["input"], list(values), inputs)
         for inp in node.get("inputs", []):
             if inp.get("link") is None:
                 continue

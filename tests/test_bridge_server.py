@@ -41,6 +41,7 @@ def comfy(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("server") / "comfyui"
     shutil.copytree(COMFYUI, folder, ignore=shutil.ignore_patterns(".git", "__pycache__"))
+    (folder / "custom_nodes").mkdir(exist_ok=True)
     (folder / "custom_nodes" / "tpu-video-nodes").symlink_to(ROOT)
     config = umt5_config(folder, **UMT5_FILE_CONFIG)
     (folder / "comfy" / "text_encoders" / "umt5_config_xxl.json").write_text(json.dumps(config, indent=2))
