@@ -49,6 +49,7 @@ def test_a_run_past_its_time_budget_fails_naming_the_slowest_tests(tmp_path):
     within = _run_with_budget(tmp_path, "10")
     assert within.returncode == 0, within.stdout
     assert "min of the 10 min budget" in within.stdout and "exceeded" not in within.stdout
+    assert "longest test files" in within.stdout and "test_slow.py 1" in within.stdout, within.stdout
     bad = _run_with_budget(tmp_path, "forty")
     assert bad.returncode == 4 and "TPU_VIDEO_TEST_BUDGET_MINUTES='forty' is not a number" in bad.stderr, bad.stderr
 

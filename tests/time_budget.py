@@ -13,6 +13,7 @@ import pytest
 
 BUDGET_ENV = "TPU_VIDEO_TEST_BUDGET_MINUTES"
 SLOWEST = 20
+FILES = 15
 
 
 class TimeBudget:
@@ -40,6 +41,13 @@ class TimeBudget:
         if self.elapsed is None:
             return
         used = f"pytest took {self.elapsed / 60:.1f} min of the {self.minutes:g} min budget ({BUDGET_ENV})"
+        by_file: dict[str, float] = defaultdict(float)
+        for nodeid, seconds in self.seconds_by_test.items():
+            by_file[nodeid.split("::", 1)[0]] += seconds
+        longest = sorted(by_file.items(), key=lambda item: -item[1])[:FILES]
+        terminalreporter.write_line(f"the {len(longest)} longest test files (their tests' seconds; "
+                                    f"tests/run_order.py hands the longest out first): "
+                                    + ", ".join(f"{name} {seconds:.0f}" for name, seconds in longest))
         if not self.over:
             terminalreporter.write_line(used)
             return
