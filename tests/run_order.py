@@ -15,11 +15,16 @@ import pytest
 
 LONGEST_FIRST = (
     "test_multihost.py",
+    "test_templates.py",
     "test_wan_parity.py",
     "test_image_to_video.py",
     "test_plan.py",
     "test_mesh.py",
     "test_bridge_vae.py",
+    "test_bridge.py",
+    "test_bridge_quant.py",
+    "test_bridge_slice.py",
+    "test_bridge_models.py",
     "test_parity_diffusers.py",
     "test_step_cache.py",
     "test_lora.py",
