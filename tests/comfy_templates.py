@@ -17,6 +17,7 @@ import torch
 
 PACKAGE = "comfyui_workflow_templates_json"
 FRONTEND_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
+PRIMITIVES = {"PrimitiveInt", "PrimitiveFloat"}  # value nodes of the backend (a PrimitiveNode is the frontend's)
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
 DYNAMIC_COMBO = "COMFY_DYNAMICCOMBO_V3"  # a combo whose chosen option brings widgets of its own (ComfyUI 0.33)
 MODEL_TYPES = ("MODEL", "CLIP", "VAE", "CLIP_VISION")
@@ -161,7 +162,10 @@ def reduce_sizes(prompt: dict, object_info: dict, width: int, height: int, lengt
         inputs = node["inputs"]
         names = {n for n, _ in _widget_names(object_info[node["class_type"]])}
         for name, value in (("width", width), ("height", height), ("length", length)):
-            if name in names and not isinstance(inputs.get(name), list):
+            source = inputs.get(name)
+            if isinstance(source, list) and prompt.get(source[0], {}).get("class_type") in PRIMITIVES:
+                prompt[source[0]]["inputs"]["value"] = value  # a primitive node feeding the size (VACE outpainting)
+            elif name in names and not isinstance(source, list):
                 inputs[name] = value
         if "steps" in names and isinstance(inputs.get("steps"), int):
             old = inputs["steps"]

@@ -34,16 +34,20 @@ def _peak_host_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _diffusers_eager(model: Path, family, req, repeats: int) -> tuple[dict, object]:
+def _diffusers_eager(model: Path, family, req, repeats: int, backend: str) -> tuple[dict, object]:
     """diffusers' own pipeline of the model's folder (the class its model_index.json names), eager, in the same
-    process: load once, then ``repeats`` generations."""
+    process: load once, then ``repeats`` generations. On a GPU machine (JAX's backend ``gpu`` and torch's CUDA) it
+    runs on CUDA, in the dtype ours computes in (``auto``: bfloat16 off the CPU), so the two run on the same chip."""
     import diffusers
     import torch
 
     start = time.perf_counter()
     name, extra = family.reference_pipeline()
-    dtype = torch.float32 if req.dtype in ("auto", "float32") else torch.bfloat16
+    accelerated = backend != "cpu"
+    dtype = torch.bfloat16 if req.dtype == "bfloat16" or (req.dtype == "auto" and accelerated) else torch.float32
     pipe = getattr(diffusers, name).from_pretrained(model, torch_dtype=dtype)
+    if backend == "gpu" and torch.cuda.is_available():
+        pipe.to("cuda")
     pipe.set_progress_bar_config(disable=True)
     load = time.perf_counter() - start
     runs = []
@@ -82,7 +86,8 @@ def run_bench(model: str | None, generation: str, height: int, width: int, frame
     }
 
     # diffusers eager first: its numbers do not depend on anything we compiled.
-    result["diffusers_eager"], pipe = _diffusers_eager(model_path, family, req, repeats)
+    result["diffusers_eager"], pipe = _diffusers_eager(model_path, family, req, repeats, runtime.backend)
+    result["diffusers_eager"]["device"] = str(pipe.device)
 
     # Ours, cold (load + compile + run), then warm runs with new seeds and prompts.
     family_start = time.perf_counter()
@@ -214,11 +219,11 @@ def _decode_vs_eager(family, pipe, latents) -> dict:
     import torch
 
     vae = pipe.vae
-    z = family.vae_latents(latents.latents.to(vae.dtype))
+    z = family.vae_latents(latents.latents.to(vae.dtype)).to(vae.device)
 
     def eager():
         with torch.no_grad():
-            return vae.decode(z, return_dict=False)[0]
+            return vae.decode(z, return_dict=False)[0].cpu()  # on CUDA: the time until the frames are there
 
     compiled = family.timings.compile.get("decode", 0.0)  # the cold generation's decode program(s)
     ours_s = _timed(lambda: family.decode(latents))
@@ -280,7 +285,7 @@ def print_table(r: dict) -> None:
               f"{o['xla_compiles_by_stage'].get(stage, 0):>13} {mem.get('temp_size_in_bytes', 0) / 2**20:>9.2f} "
               f"{mem.get('argument_size_in_bytes', 0) / 2**20:>9.2f}")
     d = r["diffusers_eager"]
-    print("\n  end to end          ours         diffusers eager   ratio (ours / diffusers)")
+    print(f"\n  end to end          ours         diffusers eager ({d.get('device', 'cpu')})   ratio (ours / diffusers)")
     print(f"  cold (load+compile) {o['cold_wall_s']:>8.2f} s   {d['load_s'] + d['runs_s'][0]:>8.2f} s        "
           f"{r['ratios']['cold_ours_over_diffusers']:.2f}")
     print(f"  warm (median)       {statistics.median(o['warm_runs_s']):>8.2f} s   "
