@@ -46,10 +46,6 @@ def video_templates() -> dict[str, dict]:
     return out
 
 
-def _live_nodes(workflow: dict) -> list[dict]:
-    return [n for n in workflow["nodes"] if n.get("mode", 0) not in (2, 4)]
-
-
 def node_types(workflow: dict) -> set[str]:
     """The node types a template runs (subgraphs expanded; muted and bypassed nodes and the frontend's own left out)."""
     subgraphs = {s["id"]: s for s in workflow.get("definitions", {}).get("subgraphs", [])}
@@ -68,9 +64,67 @@ def node_types(workflow: dict) -> set[str]:
     return found - FRONTEND_ONLY
 
 
-def has_subgraphs(workflow: dict) -> bool:
-    subgraphs = {s["id"] for s in workflow.get("definitions", {}).get("subgraphs", [])}
-    return any(n["type"] in subgraphs for n in _live_nodes(workflow))
+def flatten_subgraphs(workflow: dict) -> dict:
+    """The workflow with every subgraph instance replaced by the subgraph's nodes, as ComfyUI's frontend flattens
+    one before it queues a prompt: inner nodes get ids ``instance:inner``, a link into a subgraph input continues to
+    the inner inputs it feeds (an unlinked subgraph input leaves the inner widget's own value), a link out of a
+    subgraph output starts at the inner output that feeds it; nested subgraphs are flattened in turn. Values the
+    instance shows for its promoted widgets (``proxyWidgets``) are set on the inner widgets. A muted or bypassed
+    instance stays as it is (the conversion drops it, or passes its inputs through, as any such node)."""
+    subgraphs = {s["id"]: s for s in workflow.get("definitions", {}).get("subgraphs", [])}
+    nodes = [dict(n) for n in workflow["nodes"]]
+    links = [list(link) for link in workflow["links"]]
+    while True:
+        instance = next((n for n in nodes if n["type"] in subgraphs and n.get("mode", 0) not in (2, 4)), None)
+        if instance is None:
+            break
+        graph, prefix = subgraphs[instance["type"]], f"{instance['id']}:"
+        inner = {n["id"]: dict(n, id=prefix + str(n["id"])) for n in graph["nodes"]}
+        proxies = instance.get("properties", {}).get("proxyWidgets") or []
+        shown = instance.get("widgets_values") or []
+        for (node_id, widget), value in zip(proxies, shown if len(shown) == len(proxies) else []):
+            target = inner.get(int(node_id)) if str(node_id).lstrip("-").isdigit() else None
+            if target is not None:
+                target["_overrides"] = {**target.get("_overrides", {}), widget: value}
+        outer_in = {}  # subgraph input slot -> (origin id, origin slot) of the outer link into it
+        for slot, put in enumerate(instance.get("inputs", [])):
+            link = next((link for link in links if link[0] == put.get("link")), None)
+            index = next((i for i, g in enumerate(graph["inputs"]) if g["name"] == put["name"]), slot)
+            if link is not None:
+                outer_in[index] = (link[1], link[2])
+        inner_out = {}  # subgraph output slot -> (inner node id, slot)
+        new_links = []
+        for link in graph["links"]:
+            link_id, origin, origin_slot, target, target_slot, kind = (
+                (link["id"], link["origin_id"], link["origin_slot"], link["target_id"], link["target_slot"],
+                 link.get("type")) if isinstance(link, dict) else link[:6])
+            if target == -20:
+                inner_out[target_slot] = (prefix + str(origin), origin_slot)
+                continue
+            if origin == -10:
+                if origin_slot not in outer_in:
+                    continue
+                origin, origin_slot = outer_in[origin_slot]
+            else:
+                origin = prefix + str(origin)
+            new_links.append([prefix + str(link_id), origin, origin_slot, prefix + str(target), target_slot, kind])
+        for node in inner.values():  # inner inputs point at the renamed links; those from an unlinked input drop
+            node["inputs"] = [dict(i, link=(prefix + str(i["link"]) if i.get("link") is not None else None))
+                              for i in node.get("inputs", [])]
+        kept = {link[0] for link in new_links}
+        for node in inner.values():
+            for put in node["inputs"]:
+                if put["link"] is not None and put["link"] not in kept:
+                    put["link"] = None
+        for link in links:  # links out of the instance start at the inner output behind it
+            if link[1] == instance["id"] and link[2] in inner_out:
+                link[1], link[2] = inner_out[link[2]]
+        links = [link for link in links if link[3] != instance["id"] and link[1] != instance["id"]] + new_links
+        nodes = [n for n in nodes if n is not instance] + list(inner.values())
+        kept = {link[0] for link in links}  # an output nothing inside feeds (a template's loose end) feeds nothing
+        nodes = [dict(n, inputs=[dict(i, link=None) if i.get("link") is not None and i["link"] not in kept else i
+                                 for i in n.get("inputs", [])]) for n in nodes]
+    return {**workflow, "nodes": nodes, "links": links, "definitions": {}}
 
 
 # --- UI format -> API prompt ---------------------------------------------------------------------------------------
@@ -104,8 +158,10 @@ def _take_widgets(info_inputs: dict, values: list, inputs: dict, prefix: str = "
 
 
 def ui_to_api(workflow: dict, object_info: dict) -> dict:
-    """The API prompt of a UI workflow without subgraphs: muted nodes dropped, bypassed nodes passed through (an output
-    takes the input of its type), Reroute followed, PrimitiveNode values put into the widgets they feed."""
+    """The API prompt of a UI workflow (subgraphs flattened first, as the frontend does): muted nodes dropped,
+    bypassed nodes passed through (an output takes the input of its type), Reroute followed, PrimitiveNode values put
+    into the widgets they feed."""
+    workflow = flatten_subgraphs(workflow)
     nodes = {n["id"]: n for n in workflow["nodes"]}
     links = {link[0]: link for link in workflow["links"]}  # id, from node, from slot, to node, to slot, type
 
@@ -135,6 +191,7 @@ def ui_to_api(workflow: dict, object_info: dict) -> dict:
             inputs.update({k: v for k, v in values.items() if k in {n for n, _ in _widget_names(info)}})
         else:
             _take_widgets(info["input"], list(values), inputs)
+        inputs.update(node.get("_overrides", {}))  # a subgraph instance's values for its promoted widgets
         for inp in node.get("inputs", []):
             if inp.get("link") is None:
                 continue
@@ -226,6 +283,7 @@ DIFFUSION_MODELS = (
     (r"wan2\.1_flf2v_", _wan("i2v", in_dim=36, flf_pos_embed_token_number=514)),
     (r"wan2\.1_(i2v|fun_inp)_|I2V-ATI", _wan("i2v", in_dim=36)),
     (r"wan2\.1_fun_control_", _wan("i2v", in_dim=48)),
+    (r"wan2\.2_t2v_(high|low)_noise_14B", _wan("t2v")),
     (r"wan2\.2_(i2v|fun_inpaint)_(high|low)_noise_14B", _wan("t2v", in_dim=36)),
     (r"wan2\.2_fun_control_(high|low)_noise_14B", _wan("t2v", in_dim=52)),
 )
@@ -247,7 +305,8 @@ def widget_files(prompt: dict) -> dict[str, set[str]]:
 
 FOLDERS = {"unet_name": "diffusion_models", "clip_name": "text_encoders", "vae_name": "vae",
            "lora_name": "loras", "ckpt_name": "checkpoints"}
-KNOWN_FILES = (r"^umt5_xxl_.*\.safetensors$", r"^wan_2\.1_vae\.safetensors$", r"^clip_vision_h\.safetensors$")
+KNOWN_FILES = (r"^umt5_xxl_.*\.safetensors$", r"^(wan_2\.1_vae|Wan2_1_VAE_bf16)\.safetensors$",
+               r"^clip_vision_h\.safetensors$")
 
 
 def missing_builders(prompt: dict) -> list[str]:
@@ -257,7 +316,7 @@ def missing_builders(prompt: dict) -> list[str]:
         for name in sorted(names):
             if input_name == "unet_name" and diffusion_builder(name) is None:
                 missing.append(name)
-            elif input_name == "lora_name" and not re.search(r"Wan21_CausVid|wan2\.\d_.*lora", name):
+            elif input_name == "lora_name" and not re.search(r"Wan21_CausVid|wan2\.\d_.*lora|lightx2v_", name):
                 missing.append(name)
             elif input_name not in ("unet_name", "lora_name") and not any(re.search(p, name) for p in KNOWN_FILES):
                 missing.append(name)

@@ -29,7 +29,7 @@ import torch
 from comfy_native import COMFYUI_TREES, ROOT, comfyui_session, relative, versions_param
 from comfy_server_trial import http, start_server, wait_for, wait_until_up
 from comfy_templates import (
-    diffusion_builder, has_subgraphs, insert_tpu_nodes, missing_builders, node_types, observe, reduce_sizes,
+    diffusion_builder, insert_tpu_nodes, missing_builders, node_types, observe, reduce_sizes,
     tiny_lora, ui_to_api, video_templates, widget_files, write_image, write_video,
 )
 from tpu_runtime.bridge.tiny import UMT5_FILE_CONFIG
@@ -220,8 +220,6 @@ def runnable(server: Server) -> tuple[dict, dict]:
         missing = sorted(node_types(workflow) - set(server.info))
         if missing:
             left[name] = f"node types not in ComfyUI {server.version}: {', '.join(missing)}"
-        elif has_subgraphs(workflow):
-            left[name] = "subgraphs (not converted by the test's UI-to-API conversion yet)"
         else:
             prompt = ui_to_api(workflow, server.info)
             files = missing_builders(prompt)
@@ -281,3 +279,29 @@ def test_official_video_templates_equal_native_with_the_tpu_nodes_and_in_the_aut
     text = server.log.read_text()
     assert "automatic mode: WanModel from UNETLoader runs on the TPU runtime" in text
     assert "compiled WanModel for inputs" in text or "loaded WanModel" in text
+
+
+def test_subgraphs_are_flattened_as_the_frontend_does():
+    """Every video template that wraps its graph in subgraphs (nested ones too) flattens to plain nodes: no instance
+    left, every link between nodes that exist, every linked input's link there, the same node types the subgraphs
+    hold, and an instance's output feeding what the instance fed (Wan 2.2 T2V's video reaches SaveVideo)."""
+    from comfy_templates import flatten_subgraphs
+
+    wrapped = {name: w for name, w in video_templates().items() if w.get("definitions", {}).get("subgraphs")}
+    assert len(wrapped) > 20
+    for name, workflow in wrapped.items():
+        flat = flatten_subgraphs(workflow)
+        ids = {n["id"] for n in flat["nodes"]}
+        links = {link[0]: link for link in flat["links"]}
+        subgraphs = {s["id"] for s in workflow["definitions"]["subgraphs"]}
+        live = [n for n in flat["nodes"] if n.get("mode", 0) not in (2, 4)]
+        assert not any(n["type"] in subgraphs for n in live), name
+        assert all(link[1] in ids and link[3] in ids for link in flat["links"]), name
+        assert all(i["link"] in links for n in flat["nodes"] for i in n.get("inputs", []) if i.get("link") is not None)
+        assert {n["type"] for n in live} - {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"} == node_types(workflow)
+    flat = flatten_subgraphs(wrapped["video_wan2_2_14B_t2v"])
+    nodes = {n["id"]: n for n in flat["nodes"]}
+    links = {link[0]: link for link in flat["links"]}
+    (save,) = [n for n in flat["nodes"] if n["type"] == "SaveVideo"]
+    feeding = nodes[links[save["inputs"][0]["link"]][1]]
+    assert feeding["type"] == "CreateVideo" and ":" in str(feeding["id"])
