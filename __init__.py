@@ -18,18 +18,21 @@ if _here not in sys.path:
 if __package__:
     from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
     from .nodes.common import install_comfy_unload_hook  # noqa: E402
+    from .nodes.migration import install_route as _install_migration_route  # noqa: E402
 else:  # imported as a plain module: pytest does so when the clone's folder name is no Python name ("pack.v2")
     from nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
     from nodes.common import install_comfy_unload_hook  # noqa: E402
+    from nodes.migration import install_route as _install_migration_route  # noqa: E402
 
 from tpu_runtime.bridge import auto as _automatic_mode  # noqa: E402
 
 install_comfy_unload_hook()  # ComfyUI's "free memory" also frees our device buffers
+_install_migration_route(NODE_CLASS_MAPPINGS)  # the page brings workflows saved with older inputs up to date
 try:
     _automatic_mode.start()  # TPU_VIDEO_AUTO: every loaded model on the runtime
 except _automatic_mode.AutoModeError as _error:
     raise SystemExit(f"TPU video nodes: {_error}") from None
 
-WEB_DIRECTORY = "./web"  # the settings dialog's "automatic mode" entry
+WEB_DIRECTORY = "./web"  # the settings dialog's entries, the runtime's notices (toasts); older saved workflows migrated
 
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]

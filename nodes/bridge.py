@@ -3,13 +3,13 @@
 TPU Diffusion Model sits between a diffusion model loader (Load Diffusion Model, Load Checkpoint, a LoRA loader)
 and the sampler (KSampler, KSamplerAdvanced, SamplerCustom); TPU VAE between Load VAE and every node that decodes
 or encodes with it; TPU Text Encoder between Load CLIP and CLIP Text Encode; TPU CLIP Vision between Load CLIP
-Vision and CLIP Vision Encode. Everything else in the graph stays ComfyUI's. The automatic mode
+Vision and CLIP Vision Encode; TPU Audio Encoder between Load Audio Encoder and Audio Encoder Encode. Everything else in the graph stays ComfyUI's. The automatic mode
 (``TPU_VIDEO_AUTO``, ``tpu_runtime/bridge/auto.py``) runs the same functions on every loader's output.
 """
 
 from __future__ import annotations
 
-from .common import DEVICE_INPUTS
+from .common import DEVICE_INPUTS, node_runtime
 
 CATEGORY = "TPU video"
 
@@ -22,7 +22,6 @@ BRIDGE_INPUTS = {
                       "their own dtype, fp8 and quantized (int8, nvfp4, mxfp8) weights in bfloat16, as ComfyUI does "
                       "on a GPU (with --cpu ComfyUI itself would cast every layer to float32); as loaded: exactly "
                       "what ComfyUI chose when it loaded the model"}),
-    "cache_dir": DEVICE_INPUTS["cache_dir"],
 }
 
 
@@ -53,23 +52,24 @@ class TPUDiffusionModel:
                                                  "LoRA loader"})},
                 "optional": dict(BRIDGE_INPUTS)}
 
-    def apply(self, model, mesh: str = "auto", attention: str = "auto", compute_dtype: str = "auto",
-              cache_dir: str = ""):
+    def apply(self, model, mesh: str = "auto", attention: str = "auto", compute_dtype: str = "auto"):
         from tpu_runtime.bridge.diffusion import diffusion_model_on_runtime
-        from tpu_runtime.engine.runtime import get_runtime
 
         settings = _settings(mesh, attention, compute_dtype)
-        runtime = get_runtime(cache_dir=cache_dir.strip() or None)
+        runtime = node_runtime()
         clone = diffusion_model_on_runtime(model, settings)
-        forward = clone.object_patches[f"diffusion_model.{_method(clone)}"]
-        bridged = forward.bridged
-        spec = settings.mesh or bridged.rules.auto_mesh(bridged.module, len(runtime.devices))
-        bridged.rules.check_mesh(bridged.module, spec, len(runtime.devices))  # a bad mesh fails here, not at step 1
+        for bridged in _bridged_modules(clone):  # a bad mesh fails here, not at step 1
+            spec = settings.mesh or bridged.rules.auto_mesh(bridged.module, len(runtime.devices))
+            bridged.rules.check_mesh(bridged.module, spec, len(runtime.devices))
         return (clone,)
 
 
-def _method(clone) -> str:
-    return "_forward" if "diffusion_model._forward" in clone.object_patches else "forward"
+def _bridged_modules(clone) -> list:
+    """The bridged modules of a TPU Diffusion Model's clone: its forward's (or SAM 3's image encoder's), and its text
+    connectors'."""
+    from tpu_runtime.bridge.comfy import BridgedForward
+
+    return [v.bridged for v in clone.object_patches.values() if isinstance(v, BridgedForward)]
 
 
 VAE_INPUTS = {
@@ -77,14 +77,12 @@ VAE_INPUTS = {
              "frames are split over the devices along their width (then height), the VAE's weights are whole on "
              "each"}),
     "attention": DEVICE_INPUTS["attention"],
-    "cache_dir": DEVICE_INPUTS["cache_dir"],
 }
 
 TEXT_INPUTS = {
     "mesh": ("STRING", {"default": "auto", "tooltip": "dp=N,sp=N,tp=N over all devices; auto: attention heads on "
              "tp (as many devices as divide them), the rest on sp. The text encoder's weights are split over tp"}),
     "attention": DEVICE_INPUTS["attention"],
-    "cache_dir": DEVICE_INPUTS["cache_dir"],
 }
 
 
@@ -120,12 +118,11 @@ class TPUVAE:
         return {"required": {"vae": ("VAE", {"tooltip": "from Load VAE or a checkpoint loader"})},
                 "optional": dict(VAE_INPUTS)}
 
-    def apply(self, vae, mesh: str = "auto", attention: str = "auto", cache_dir: str = ""):
+    def apply(self, vae, mesh: str = "auto", attention: str = "auto"):
         from tpu_runtime.bridge.vae import bridged_parts, vae_on_runtime
-        from tpu_runtime.engine.runtime import get_runtime
 
         settings = _bridge_settings(mesh, attention)
-        runtime = get_runtime(cache_dir=cache_dir.strip() or None)
+        runtime = node_runtime()
         on_runtime = vae_on_runtime(vae, settings)
         _check_meshes(bridged_parts(on_runtime).values(), len(runtime.devices))
         return (on_runtime,)
@@ -149,12 +146,11 @@ class TPUTextEncoder:
                                                "loader"})},
                 "optional": dict(TEXT_INPUTS)}
 
-    def apply(self, clip, mesh: str = "auto", attention: str = "auto", cache_dir: str = ""):
+    def apply(self, clip, mesh: str = "auto", attention: str = "auto"):
         from tpu_runtime.bridge.text import bridged_text_models, text_encoder_on_runtime
-        from tpu_runtime.engine.runtime import get_runtime
 
         settings = _bridge_settings(mesh, attention)
-        runtime = get_runtime(cache_dir=cache_dir.strip() or None)
+        runtime = node_runtime()
         on_runtime = text_encoder_on_runtime(clip, settings)
         _check_meshes(bridged_text_models(on_runtime).values(), len(runtime.devices))
         return (on_runtime,)
@@ -164,7 +160,6 @@ VISION_INPUTS = {
     "mesh": ("STRING", {"default": "auto", "tooltip": "dp=N,sp=N,tp=N over all devices; auto: attention heads on "
              "tp (as many devices as divide them), the rest on sp. The image model's weights are split over tp"}),
     "attention": DEVICE_INPUTS["attention"],
-    "cache_dir": DEVICE_INPUTS["cache_dir"],
 }
 
 
@@ -185,18 +180,51 @@ class TPUCLIPVision:
                                                              "loader"})},
                 "optional": dict(VISION_INPUTS)}
 
-    def apply(self, clip_vision, mesh: str = "auto", attention: str = "auto", cache_dir: str = ""):
+    def apply(self, clip_vision, mesh: str = "auto", attention: str = "auto"):
         from tpu_runtime.bridge.vision import bridged_vision_models, clip_vision_on_runtime
-        from tpu_runtime.engine.runtime import get_runtime
 
         settings = _bridge_settings(mesh, attention)
-        runtime = get_runtime(cache_dir=cache_dir.strip() or None)
+        runtime = node_runtime()
         on_runtime = clip_vision_on_runtime(clip_vision, settings)
         _check_meshes(bridged_vision_models(on_runtime).values(), len(runtime.devices))
         return (on_runtime,)
 
 
+AUDIO_INPUTS = {
+    "mesh": ("STRING", {"default": "auto", "tooltip": "dp=N,sp=N,tp=N over all devices; auto: attention heads on "
+             "tp (as many devices as divide them), the rest on sp. The audio encoder's weights are split over tp"}),
+    "attention": DEVICE_INPUTS["attention"],
+}
+
+
+class TPUAudioEncoder:
+    """ComfyUI's own audio encoder (any model Load Audio Encoder loads) run on the TPU runtime."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("AUDIO_ENCODER",)
+    RETURN_NAMES = ("audio_encoder",)
+    FUNCTION = "apply"
+    DESCRIPTION = ("Runs ComfyUI's own audio encoder (wav2vec2, Whisper) on the TPU (or any JAX device): put it between "
+                   "Load Audio Encoder and Audio Encoder Encode (Wan 2.2 S2V, InfiniteTalk, HuMo). Resampling the "
+                   "waveform stays ComfyUI's; the model runs as one compiled program per clip length.")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"audio_encoder": ("AUDIO_ENCODER", {"tooltip": "from Load Audio Encoder"})},
+                "optional": dict(AUDIO_INPUTS)}
+
+    def apply(self, audio_encoder, mesh: str = "auto", attention: str = "auto"):
+        from tpu_runtime.bridge.audio_encoder import audio_encoder_on_runtime, bridged_audio_models
+
+        settings = _bridge_settings(mesh, attention)
+        runtime = node_runtime()
+        on_runtime = audio_encoder_on_runtime(audio_encoder, settings)
+        _check_meshes(bridged_audio_models(on_runtime).values(), len(runtime.devices))
+        return (on_runtime,)
+
+
 NODE_CLASS_MAPPINGS = {"TPUDiffusionModel": TPUDiffusionModel, "TPUVAE": TPUVAE, "TPUTextEncoder": TPUTextEncoder,
-                       "TPUCLIPVision": TPUCLIPVision}
+                       "TPUCLIPVision": TPUCLIPVision, "TPUAudioEncoder": TPUAudioEncoder}
 NODE_DISPLAY_NAME_MAPPINGS = {"TPUDiffusionModel": "TPU Diffusion Model", "TPUVAE": "TPU VAE",
-                              "TPUTextEncoder": "TPU Text Encoder", "TPUCLIPVision": "TPU CLIP Vision"}
+                              "TPUTextEncoder": "TPU Text Encoder", "TPUCLIPVision": "TPU CLIP Vision",
+                              "TPUAudioEncoder": "TPU Audio Encoder"}

@@ -16,14 +16,13 @@ _models: dict[tuple, object] = {}  # (family, source, dtype, mesh, attention, la
 _models_lock = threading.Lock()
 
 DTYPE_INPUT = (["auto", "bfloat16", "float32"],
-               {"default": "auto", "tooltip": "auto: bfloat16 on TPU/GPU, float32 on CPU"})
+               {"default": "auto", "tooltip": "the weights' and the computation's dtype; auto: bfloat16 on TPU/GPU, "
+                "float32 on CPU"})
 DEVICE_INPUTS = {
     "mesh": ("STRING", {"default": "auto", "tooltip": "dp=N,sp=N,tp=N over all devices; auto: CFG batch on dp, "
              "heads on tp (dp=2,tp=4 on a v6e-8)"}),
     "attention": (["auto", "splash", "cudnn", "blockwise", "reference"], {"default": "auto",
                   "tooltip": "auto: splash on TPU, cuDNN on GPU, blockwise on CPU"}),
-    "cache_dir": ("STRING", {"default": "", "tooltip": "persistent XLA compilation cache; empty: "
-                  "$TPU_VIDEO_CACHE_DIR or ~/.cache/tpu_video_nodes/xla_cache (one per process)"}),
 }
 # Placed after every other loader input, so that a workflow saved before they existed keeps its values in place.
 LAYOUT_INPUTS = {
@@ -44,16 +43,22 @@ def _release_all() -> None:
     _models.clear()
 
 
-def load_model(key: tuple, build, cache_dir: str = ""):
+def node_runtime():
+    """The process-wide runtime, started (by the first node that needs it) with the compilation cache folder of
+    ComfyUI's settings dialog (``tpu_runtime.bridge.settings_store``)."""
+    from tpu_runtime.bridge.settings_store import runtime
+
+    return runtime()
+
+
+def load_model(key: tuple, build):
     """The loaded model for ``key``, built by ``build(runtime)`` on first use; the same key shares one copy of
     the weights on the devices. Loading a different model first releases the others: a video model fills an
     accelerator's memory, so holding two at once would run out of it."""
-    from tpu_runtime.engine.runtime import get_runtime
-
     with _models_lock:
         family = _models.get(key)
         if family is None:
-            runtime = get_runtime(cache_dir=cache_dir.strip() or None)
+            runtime = node_runtime()
             _release_all()
             family = build(runtime)
             _models[key] = family
@@ -118,15 +123,24 @@ def base_model(model):
 
 def image_cond_input(image_type: str) -> dict:
     """The sampler's optional input from the image encode node."""
-    return {"image_cond": (image_type, {"tooltip": "image-to-video: the Image Encode node's output (encoded at "
-                                        "this sampler's width, height and frames)"})}
+    return {"image_cond": (image_type, {"tooltip": "image-to-video: the Image Encode node's output; connect its "
+                                        "width, height and length outputs to this sampler's too (the video's size "
+                                        "is set once, on the Image Encode)"})}
 
 
 def setting_input(setting) -> tuple:
     """A family's declared setting (``engine.settings.Setting``) as a node input: its widget, its default (or the
-    value that means "unset", where the model decides), its range and its help as the tooltip."""
-    unset = setting.default is None and setting.node_unset is not None
+    choice that means "the model's"), its range and its help as the tooltip. A number the model decides is an
+    input with no widget: left unconnected, the model's value is used; connect a number (a Float node) to set
+    it. No widget holds a value that secretly means "unset"."""
     tooltip = setting.help
+    if setting.model_decides:
+        options = {"forceInput": True, "tooltip": f"{tooltip}; unconnected: {setting.default_text()}",
+                   "min": setting.minimum if setting.minimum is not None else setting.above,
+                   "max": setting.node_max if setting.node_max is not None else setting.below,
+                   "step": setting.node_step}
+        return ("INT" if setting.kind is int else "FLOAT"), {k: v for k, v in options.items() if v is not None}
+    unset = setting.default is None and setting.node_unset is not None
     if unset:
         tooltip += f"; {repr(setting.node_unset) if setting.node_unset != '' else 'empty'}: {setting.default_text()}"
     default = setting.node_unset if setting.default is None else setting.default
@@ -137,7 +151,7 @@ def setting_input(setting) -> tuple:
                                        "tooltip": tooltip}
     if setting.kind is str:
         return "STRING", {"default": default or "", "tooltip": tooltip}
-    low = setting.node_unset if unset else setting.minimum
+    low = setting.minimum
     if low is None and setting.above is not None:  # the first value a widget step above the bound
         low = setting.above + (setting.node_step or 0)
     options = {"default": default, "min": low, "max": setting.node_max if setting.node_max is not None else
@@ -146,34 +160,56 @@ def setting_input(setting) -> tuple:
 
 
 def setting_inputs(spec, stage: str, section: str) -> dict:
-    """The node inputs of ``spec``'s settings of ``stage`` in ``section`` ("required" or "optional")."""
-    return {s.name: setting_input(s) for s in spec.settings_of(stage) if s.node == section}
+    """The node inputs of ``spec``'s settings of ``stage`` in ``section`` ("required" or "optional"), by their
+    input names."""
+    return {s.input_name: setting_input(s) for s in spec.settings_of(stage) if s.node == section}
 
 
 def setting_values(spec, stage: str, inputs: dict) -> dict:
-    """The values of ``spec``'s settings of ``stage`` among a node's ``inputs``, "unset" values as None."""
+    """The values of ``spec``'s settings of ``stage`` among a node's ``inputs`` (by input name), by setting name;
+    an input left unconnected, or at the choice meaning "the model's", as None."""
     out = {}
     for setting in spec.settings_of(stage):
-        if setting.node is not None and setting.name in inputs:
-            value = inputs[setting.name]
+        if setting.node is not None and setting.input_name in inputs:
+            value = inputs[setting.input_name]
             out[setting.name] = None if setting.node_unset is not None and value == setting.node_unset else value
     return out
 
 
-def sampler_inputs(model_type: str, embeds_type: str, width: int, height: int, frames: int, frames_tip: str,
-                   guidance: float, schedulers: list[str], steps: int = 50) -> dict:
-    """The inputs every sampler has, with the family's native defaults."""
+def size_inputs(size_step: int, length_step: int, width: int, height: int, length: int, length_tip: str,
+                where: str) -> dict:
+    """The video's width, height and length (frames) as widgets that hold only sizes the family's rules allow:
+    multiples of ``size_step``, ``length_step * N + 1`` frames (ComfyUI's widgets snap to ``min + k * step``)."""
     return {
-        "model": (model_type,),
-        "embeds": (embeds_type,),
-        "width": ("INT", {"default": width, "min": 16, "max": 4096, "step": 16}),
-        "height": ("INT", {"default": height, "min": 16, "max": 4096, "step": 16}),
-        "frames": ("INT", {"default": frames, "min": 1, "max": 1024, "step": 1, "tooltip": frames_tip}),
-        "steps": ("INT", {"default": steps, "min": 1, "max": 1000}),
-        "guidance": ("FLOAT", {"default": guidance, "min": 0.0, "max": 30.0, "step": 0.1,
-                               "tooltip": "CFG scale; 1 or less turns CFG off (half the work per step)"}),
-        "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True}),
-        "scheduler": (["model default", *schedulers], {"default": "model default"}),
+        "width": ("INT", {"default": width, "min": size_step, "max": 4096, "step": size_step,
+                          "tooltip": f"the video's width in pixels, a multiple of {size_step}{where}"}),
+        "height": ("INT", {"default": height, "min": size_step, "max": 4096, "step": size_step,
+                           "tooltip": f"the video's height in pixels, a multiple of {size_step}{where}"}),
+        "length": ("INT", {"default": length, "min": 1, "max": 1025, "step": length_step,
+                           "tooltip": f"the video's length in frames: {length_tip}{where}"}),
+    }
+
+
+def sampler_inputs(model_type: str, embeds_type: str, spec) -> dict:
+    """The inputs every sampler has, with the family's native defaults and widget steps (``spec.nodes.sampler``,
+    ``spec.sampling``)."""
+    s, sampling = spec.nodes.sampler, spec.sampling
+    schedulers = list(sampling.schedulers)
+    scheduler_tip = (f"model default: the model's own scheduler config; or {', '.join(schedulers)}" if schedulers
+                     else "the model's own (its sigma schedule is the sigmas input)")
+    return {
+        "model": (model_type, {"tooltip": "the loader's model, or a LoRA / Step Cache node's after it"}),
+        "embeds": (embeds_type, {"tooltip": "the Text Encode node's prompt embeddings"}),
+        **size_inputs(s.size_step, s.length_step, s.width, s.height, s.frames, s.frames_tip,
+                      "; image to video: connect the Image Encode's output of the same name"),
+        "steps": ("INT", {"default": sampling.steps, "min": 1, "max": 1000,
+                          "tooltip": "denoising steps (one compiled program serves every step)"}),
+        "cfg": ("FLOAT", {"default": sampling.guidance, "min": 0.0, "max": 30.0, "step": 0.1,
+                          "tooltip": "classifier-free guidance scale; 1 or less turns CFG off (half the work per "
+                          "step)"}),
+        "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True,
+                         "tooltip": "the noise's seed: the same seed, settings and prompt make the same video"}),
+        "scheduler": (["model default", *schedulers], {"default": "model default", "tooltip": scheduler_tip}),
     }
 
 

@@ -1,14 +1,20 @@
-"""The node kinds, written once for every family: Loader (a diffusers folder) and Model Files Loader (ComfyUI's
-single files) → Text Encode [+ Image Encode] → Sampler [→ Upsample → Sampler] → Decode, with LoRA and Step Cache
+"""The node kinds, written once for every family: Loader (a diffusers folder) and Files Loader (ComfyUI's single
+files) → Text Encode [+ Image Encode] → Sampler [→ Upsample → Sampler] → Decode, with LoRA and Step Cache
 between loader and sampler.
 
 ``family_nodes(spec)`` makes a family's node classes from its declaration (``FamilySpec.nodes``): class names
-``prefix + kind`` (``TPUWanSampler``), display names ``"<title> <kind> (TPU)"``, the family's types, defaults and
-the inputs only it has. Names, input names and their order are what saved workflows hold: they never change.
-Each node checks its inputs and calls the engine; no model math lives here.
+``prefix + kind`` (``TPUWanSampler``), display names ``"<title> <kind> (TPU)"``, the family's types, defaults, widget
+steps and the inputs only it has. Class names are what saved workflows hold: they never change; a change of input
+names or order is migrated for saved workflows by ``migration.py``. Every input has a tooltip. Inputs take
+ComfyUI's own names where ComfyUI has one (``cfg``, ``length``); the engine and the command line keep theirs
+(``guidance``, ``frames``), and a refusal from the engine is said in the node's names. Each node checks its inputs
+and calls the engine; no model math lives here.
 """
 
 from __future__ import annotations
+
+import re
+from contextlib import contextmanager
 
 from .common import (
     DEVICE_INPUTS,
@@ -24,6 +30,7 @@ from .common import (
     sampler_inputs,
     setting_inputs,
     setting_values,
+    size_inputs,
 )
 
 NONE = "none"
@@ -51,6 +58,32 @@ class _Node:
     def types(cls) -> tuple[str, str, str]:
         return _types(cls.SPEC)
 
+    @classmethod
+    def model_input(cls, tooltip: str = "the loader's model (or a LoRA / Step Cache node's after it)") -> tuple:
+        return (cls.types()[0], {"tooltip": tooltip})
+
+
+# The engine's (and the command line's) names of the sampling settings -> the node inputs' (ComfyUI's) names.
+NODE_NAMES = {"frames": "length", "guidance": "cfg"}
+
+
+@contextmanager
+def said_in_node_names(spec):
+    """Refusals from the engine say a setting as the engine names it (``frames=10 must be 4*N+1``); on a node, say
+    it with the node's input names (``length=10``)."""
+    from tpu_runtime.errors import InputError
+
+    names = {**NODE_NAMES, **{s.name: s.input_name for s in spec.settings if s.input_name != s.name}}
+    alternatives = "|".join(map(re.escape, sorted(names, key=len, reverse=True)))
+    said = re.compile(rf"\b({alternatives})(?==)|(?<=leave )({alternatives})(?= unset)")
+    try:
+        yield
+    except InputError as error:
+        message = said.sub(lambda m: names[m.group(1) or m.group(2)], str(error))
+        if message == str(error):
+            raise
+        raise type(error)(message) from error
+
 
 def _device_options(dtype, mesh, attention, vae_sharding, fsdp) -> dict:
     return dict(dtype=dtype, mesh=mesh.strip() or "auto", attention=attention, vae_sharding=vae_sharding,
@@ -71,12 +104,13 @@ class Loader(_Node):
         names = sorted(find_models(cls.SPEC)) or [no_models(cls.SPEC)]
         return {
             "required": {"model": (names, {"tooltip": cls.SPEC.nodes.loader_tooltip}), "dtype": DTYPE_INPUT},
-            "optional": {"model_path": ("STRING", {"default": "", "tooltip": "a folder anywhere (overrides model)"}),
+            "optional": {"model_path": ("STRING", {"default": "", "tooltip": "a diffusers folder anywhere, by its "
+                                                   "path (overrides model); empty: the model picked above"}),
                          **DEVICE_INPUTS, **LAYOUT_INPUTS, **setting_inputs(cls.SPEC, "open", "optional")},
         }
 
     def load(self, model: str, dtype: str, model_path: str = "", mesh: str = "auto", attention: str = "auto",
-             cache_dir: str = "", vae_sharding: str = "auto", fsdp: bool = False, **family_options):
+             vae_sharding: str = "auto", fsdp: bool = False, **family_options):
         from tpu_runtime.engine.folders import resolve_model_path
         from tpu_runtime.errors import InputError
         from tpu_runtime.families import registry
@@ -91,7 +125,7 @@ class Loader(_Node):
         extra = {k: (v.strip() if isinstance(v, str) else v) or None for k, v in family_options.items()}
         key = (self.SPEC.name, folder, *options.values(), *sorted(extra.items()))
         cls = registry.family_class(self.SPEC)
-        return (load_model(key, lambda runtime: cls(folder, runtime=runtime, **options, **extra), cache_dir),)
+        return (load_model(key, lambda runtime: cls(folder, runtime=runtime, **options, **extra)),)
 
 
 class ModelFilesLoader(_Node):
@@ -151,8 +185,7 @@ class ModelFilesLoader(_Node):
                                   values.get("vae_sharding", "auto"), values.get("fsdp", False))
         key = (f"{self.SPEC.name}-files", tuple(sorted((k, str(v)) for k, v in files.items())), *options.values())
         cls = registry.family_class(self.SPEC)
-        return (load_model(key, lambda runtime: cls(files=files, runtime=runtime, **options),
-                           values.get("cache_dir", "")),)
+        return (load_model(key, lambda runtime: cls(files=files, runtime=runtime, **options)),)
 
 
 class TextEncode(_Node):
@@ -163,8 +196,13 @@ class TextEncode(_Node):
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": (cls.types()[0],), "prompt": ("STRING", {"multiline": True, "default": ""}),
-                             "negative_prompt": ("STRING", {"multiline": True, "default": ""})}}
+        return {"required": {
+            "model": cls.model_input("the loader's model (its text encoder runs here)"),
+            "prompt": ("STRING", {"multiline": True, "default": "",
+                                  "tooltip": "what the video shows: subject, motion, camera, light, style"}),
+            "negative_prompt": ("STRING", {"multiline": True, "default": "",
+                                           "tooltip": "what the video should not show (used where CFG is on: cfg "
+                                           "above 1); may be empty"})}}
 
     def encode(self, model, prompt: str, negative_prompt: str):
         return (model.encode(prompt, negative_prompt),)
@@ -172,28 +210,31 @@ class TextEncode(_Node):
 
 class ImageEncode(_Node):
     """The image encode stage: the first frame (and, for Wan FLF2V, the last) as the sampler takes them, for one
-    video size. Connect ComfyUI's Load Image (or any IMAGE); set the size the sampler will use."""
+    video size. Connect ComfyUI's Load Image (or any IMAGE); the video's size is set here, and its width, height
+    and length outputs go to the sampler's inputs of the same names, so it is set once."""
 
-    RETURN_NAMES = ("image_cond",)
+    RETURN_NAMES = ("image_cond", "width", "height", "length")
+    OUTPUT_TOOLTIPS = ("the encoded image, for the sampler's image_cond",
+                       "the video's width: connect it to the sampler's width",
+                       "the video's height: connect it to the sampler's height",
+                       "the video's length: connect it to the sampler's length")
     FUNCTION = "encode"
 
     @classmethod
     def INPUT_TYPES(cls):
         width, height, frames = cls.SPEC.nodes.image_size
+        s = cls.SPEC.nodes.sampler
         return {
             "required": {
-                "model": (cls.types()[0],),
+                "model": cls.model_input("the loader's model (its VAE encodes the image)"),
                 "image": ("IMAGE", {"tooltip": "the first frame; resized (stretched, not cropped) to width x height"}),
-                "width": ("INT", {"default": width, "min": 16, "max": 4096, "step": 16,
-                                  "tooltip": "the video's width: set the sampler to the same"}),
-                "height": ("INT", {"default": height, "min": 16, "max": 4096, "step": 16}),
-                "frames": ("INT", {"default": frames, "min": 1, "max": 1024, "step": 1,
-                                   "tooltip": cls.SPEC.nodes.image_frames_tip}),
+                **size_inputs(s.size_step, s.length_step, width, height, frames, cls.SPEC.nodes.image_frames_tip,
+                              "; connect this output to the sampler's input of the same name"),
             },
             "optional": {"last_image": ("IMAGE", {"tooltip": "first-and-last-frame models only: the last frame"})},
         }
 
-    def encode(self, model, image, width, height, frames, last_image=None):
+    def encode(self, model, image, width, height, length, last_image=None):
         from tpu_runtime.engine.images import as_pil
 
         from .comfy_bridge import progress_bar
@@ -203,10 +244,11 @@ class ImageEncode(_Node):
         first = as_pil(image, "image")
         last = as_pil(last_image, "last_image") if last_image is not None else None
         bar = progress_bar(1)
-        cond = family.encode_image(first, last, height=height, width=width, num_frames=frames)
+        with said_in_node_names(self.SPEC):
+            cond = family.encode_image(first, last, height=height, width=width, num_frames=length)
         if bar is not None:
             bar.update_absolute(1, 1)
-        return (cond,)
+        return cond, width, height, length
 
 
 class LoRA(_Node):
@@ -222,8 +264,9 @@ class LoRA(_Node):
         from .model_folders import find_files
 
         inputs = {"required": {
-            "model": (cls.types()[0],),
-            "lora_name": (sorted(find_files("loras")) or [NO_LORAS],),
+            "model": cls.model_input("the loader's model (or another LoRA / Step Cache node's)"),
+            "lora_name": (sorted(find_files("loras")) or [NO_LORAS],
+                          {"tooltip": f"a LoRA file for {cls.SPEC.display_name} in ComfyUI's models/loras"}),
             "strength": ("FLOAT", {"default": 1.0, "min": -10.0, "max": 10.0, "step": 0.01,
                                    "tooltip": "1: the LoRA as trained; 0: off; negative: subtracted"}),
         }}
@@ -253,6 +296,11 @@ class LoRA(_Node):
                                 loras_2=loras_2 + ((spec,) if low else ())),)
 
 
+# diffusers' MagCacheConfig / FirstBlockCacheConfig thresholds: the widget's default is magcache's (its default
+# method); the value shown is the value used.
+DEFAULT_THRESHOLD = {"magcache": 0.06, "first-block": 0.05}
+
+
 class StepCache(_Node):
     """Skips whole transformer passes as diffusers' MagCache and FirstBlockCache do; the sampler after it runs
     with it (frames equal diffusers' with the same cache config)."""
@@ -267,11 +315,13 @@ class StepCache(_Node):
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "model": (cls.types()[0],),
-            "method": (["magcache", "first-block"], {"default": "magcache"}),
-            "threshold": ("FLOAT", {"default": -1.0, "min": -1.0, "max": 10.0, "step": 0.001,
-                                    "tooltip": "skip while the error stays at or under this; -1: diffusers' default "
-                                    "(magcache 0.06, first-block 0.05)"}),
+            "model": cls.model_input("the loader's model (or a LoRA node's after it)"),
+            "method": (["magcache", "first-block"], {"default": "magcache", "tooltip": "magcache: skip steps fixed "
+                       "in advance by the model's calibrated ratios; first-block: skip a step when the first "
+                       "block's output barely changed"}),
+            "threshold": ("FLOAT", {"default": DEFAULT_THRESHOLD["magcache"], "min": 0.0, "max": 10.0,
+                                    "step": 0.001, "tooltip": "skip while the accumulated error stays at or under "
+                                    "this (diffusers' defaults: magcache 0.06, first-block 0.05)"}),
             "max_skip": ("INT", {"default": 3, "min": 1, "max": 100,
                                  "tooltip": "magcache: at most this many steps skipped in a row"}),
             "retention": ("FLOAT", {"default": 0.2, "min": 0.0, "max": 0.99, "step": 0.05,
@@ -293,7 +343,7 @@ class StepCache(_Node):
 
         family = base_model(model)
         magcache = method == "magcache"
-        cache = step_cache(method, None if threshold < 0 else threshold, max_skip if magcache else None,
+        cache = step_cache(method, threshold, max_skip if magcache else None,
                            retention if magcache else None, mag_ratios.strip() or None, bool(calibrate), where="node")
         height, width, frames = family.native_size()
         family.check_step_cache(SampleSettings(height, width, frames, cache=cache))  # the ratios there are, now
@@ -310,34 +360,51 @@ class Sampler(_Node):
     @classmethod
     def INPUT_TYPES(cls):
         model, embeds, image = cls.types()
-        spec, s = cls.SPEC, cls.SPEC.nodes.sampler
-        inputs = sampler_inputs(model, embeds, s.width, s.height, s.frames, s.frames_tip, spec.sampling.guidance,
-                                list(spec.sampling.schedulers), spec.sampling.steps)
+        spec = cls.SPEC
         optional = {**setting_inputs(spec, "sample", "optional"), **image_cond_input(image)}
         if spec.sampling.refine:
             optional.update(REFINE_INPUTS)
-        return {"required": {**inputs, **setting_inputs(spec, "sample", "required")}, "optional": optional}
+        return {"required": {**sampler_inputs(model, embeds, spec), **setting_inputs(spec, "sample", "required")},
+                "optional": optional}
 
-    def sample(self, model, embeds, width, height, frames, steps, guidance, seed, scheduler, image_cond=None,
-               samples=None, noise_scale=-1.0, **extra):
+    def sample(self, model, embeds, width, height, length, steps, cfg, seed, scheduler, image_cond=None,
+               samples=None, noise_scale=None, **extra):
         from tpu_runtime.engine.stages import SampleSettings
 
+        check_size_agrees(type(self).__name__, width, height, length, image_cond)
         refine = {} if samples is None else {"latents": latent_value(base_model(model), samples)}
         options = setting_values(self.SPEC, "sample", extra)
-        if samples is not None and noise_scale >= 0:
+        if samples is not None and noise_scale is not None:
             options["noise_scale"] = noise_scale
-        settings = SampleSettings(height, width, frames, steps, guidance, seed,
+        settings = SampleSettings(height, width, length, steps, cfg, seed,
                                   None if scheduler == "model default" else scheduler, options=options)
-        return run_sampler(model, embeds, settings, image_cond, **refine)
+        with said_in_node_names(self.SPEC):
+            return run_sampler(model, embeds, settings, image_cond, **refine)
+
+
+def check_size_agrees(node: str, width: int, height: int, length: int, image_cond) -> None:
+    """Image to video: the video's size is the image encoding's. A sampler whose own width, height or length
+    differ (set by hand rather than connected from the Image Encode's outputs) is refused, naming both."""
+    from tpu_runtime.engine.stages import ImageConditioning
+    from tpu_runtime.errors import InputError
+
+    if not isinstance(image_cond, ImageConditioning):
+        return
+    encoded = (image_cond.width, image_cond.height, image_cond.num_frames)
+    if (width, height, length) != encoded:
+        raise InputError(f"{node}: width x height x length = {width}x{height}x{length}, but the image was encoded "
+                         f"for {encoded[0]}x{encoded[1]}x{encoded[2]}: connect the Image Encode's width, height and "
+                         "length outputs to this sampler's inputs of the same names (the size is then set once, on "
+                         "the Image Encode), or set the same values here")
 
 
 # The sampler's inputs for refining given latents (a recipe's later sampling: the Upsample node's output).
 REFINE_INPUTS = {
     "samples": ("LATENT", {"tooltip": "refine these latents (the Upsample node's) instead of starting from noise: "
                            "set width and height to their size and sigmas to stage2"}),
-    "noise_scale": ("FLOAT", {"default": -1.0, "min": -1.0, "max": 1.0, "step": 0.01,
-                              "tooltip": "how much fresh noise the refined latents get; -1: the schedule's first "
-                              "sigma (diffusers' recipe)"}),
+    "noise_scale": ("FLOAT", {"forceInput": True, "min": 0.0, "max": 1.0, "step": 0.01,
+                              "tooltip": "how much fresh noise the refined latents get; unconnected: the "
+                              "schedule's first sigma (diffusers' recipe)"}),
 }
 
 
@@ -350,7 +417,8 @@ class Upsample(_Node):
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": (cls.types()[0],), "samples": ("LATENT",)}}
+        return {"required": {"model": cls.model_input("the loader's model (its latent upsampler runs here)"),
+                             "samples": ("LATENT", {"tooltip": "the first sampler's latents"})}}
 
     def upsample(self, model, samples):
         from .comfy_bridge import progress_bar
@@ -372,7 +440,9 @@ class Decode(_Node):
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": (cls.types()[0],), "samples": ("LATENT",),
+        return {"required": {"model": cls.model_input("the loader's model (its VAE decodes here)"),
+                             "samples": ("LATENT", {"tooltip": "the sampler's latents (or any ComfyUI video LATENT "
+                                                    "of this model)"}),
                              **setting_inputs(cls.SPEC, "decode", "required")}}
 
     def decode(self, model, samples, **options):
@@ -382,7 +452,7 @@ class Decode(_Node):
 # kind -> (class-name suffix, display-name suffix, the node's description from the spec)
 KINDS = {
     "Loader": (Loader, "Loader", lambda n: n.loader_description),
-    "ModelFilesLoader": (ModelFilesLoader, "Loader from ComfyUI files", lambda n: n.files_loader.description),
+    "ModelFilesLoader": (ModelFilesLoader, "Files Loader", lambda n: n.files_loader.description),
     "TextEncode": (TextEncode, "Text Encode", lambda n: n.text_encode_doc),
     "ImageEncode": (ImageEncode, "Image Encode", lambda n: n.image_encode_doc),
     "LoRA": (LoRA, "LoRA", lambda n: LoRA.DESCRIPTION),
@@ -397,8 +467,8 @@ def family_nodes(spec) -> tuple[dict, dict]:
     """The node classes of family ``spec`` and their display names: class name -> class, class name -> title."""
     classes, titles = {}, {}
     model, embeds, image = _types(spec)
-    returns = {"Loader": (model,), "ModelFilesLoader": (model,), "TextEncode": (embeds,), "ImageEncode": (image,),
-               "LoRA": (model,), "StepCache": (model,)}
+    returns = {"Loader": (model,), "ModelFilesLoader": (model,), "TextEncode": (embeds,),
+               "ImageEncode": (image, "INT", "INT", "INT"), "LoRA": (model,), "StepCache": (model,)}
     for kind, (base, title, describe) in KINDS.items():
         if kind == "ModelFilesLoader" and spec.nodes.files_loader is None:
             continue

@@ -58,11 +58,11 @@ def ui_to_api(workflow: dict, object_info: dict, overrides: dict[str, dict]) -> 
         inputs, values = {}, list(node.get("widgets_values", []))
         for section in ("required", "optional"):
             for name, spec in info["input"].get(section, {}).items():
-                kind = spec[0]
-                is_widget = isinstance(kind, list) or kind in ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
+                kind, opts = spec[0], (spec[1] if len(spec) > 1 else {}) or {}
+                is_widget = (isinstance(kind, list) or kind in ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")) \
+                    and not opts.get("forceInput")
                 if is_widget and values:
                     inputs[name] = values.pop(0)
-                    opts = spec[1] if len(spec) > 1 else {}
                     if name in ("seed", "noise_seed") or opts.get("control_after_generate"):
                         values.pop(0)
         for inp in node.get("inputs", []):
@@ -75,10 +75,12 @@ def ui_to_api(workflow: dict, object_info: dict, overrides: dict[str, dict]) -> 
     return prompt
 
 
-def start_server(comfy: Path, python: str, port: int, env: dict, log_path: Path) -> subprocess.Popen:
-    """``main.py --cpu`` of the ComfyUI checkout ``comfy`` on 127.0.0.1:``port``, its output in ``log_path``."""
+def start_server(comfy: Path, python: str, port: int, env: dict, log_path: Path,
+                 extra_args: tuple = ()) -> subprocess.Popen:
+    """``main.py --cpu`` of the ComfyUI checkout ``comfy`` on 127.0.0.1:``port`` (and ``extra_args``), its output in
+    ``log_path``."""
     log = open(log_path, "w")
-    return subprocess.Popen([python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port)],
+    return subprocess.Popen([python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), *extra_args],
                             cwd=comfy, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -106,18 +108,18 @@ def wait_for(port: int, prompt_id: str, timeout: float) -> dict:
 
 FAMILIES = {
     "cogvideox": {
-        "workflow": "cogvideox_2b_t2v_tpu.json", "prefix": "TPUCogVideoX", "loader": "TPUCogVideoXLoader",
+        "workflow": "27 CogVideoX 2B text to video.json", "prefix": "TPUCogVideoX", "loader": "TPUCogVideoXLoader",
         "sampler": "TPUCogVideoXSampler", "model_label": "CogVideoX-2b-tiny",
         "load_marker": "loaded CogVideoX-2b-tiny/transformer",
         "nodes": ["TPUCogVideoXDecode", "TPUCogVideoXImageEncode", "TPUCogVideoXLoRA", "TPUCogVideoXLoader",
                   "TPUCogVideoXSampler", "TPUCogVideoXStepCache", "TPUCogVideoXTextEncode"],
         "small": {"TPUCogVideoXLoader": {"model": "CogVideoX-2b-tiny", "dtype": "float32"},
-                  "TPUCogVideoXSampler": {"width": 96, "height": 64, "frames": 9, "steps": 3}},
-        "bad_frames": (10, "frames=10 must be 8*N+1 for CogVideoX-2b"),
-        "long": {"width": 720, "height": 480, "frames": 49, "steps": 200},
+                  "TPUCogVideoXSampler": {"width": 96, "height": 64, "length": 9, "steps": 3}},
+        "bad_frames": (10, "length=10 must be 8*N+1 for CogVideoX-2b"),
+        "long": {"width": 720, "height": 480, "length": 49, "steps": 200},
     },
     "wan": {
-        "workflow": "wan2.1_t2v_1.3B_tpu.json", "prefix": "TPUWan", "loader": "TPUWanModelFilesLoader",
+        "workflow": "09 Wan 2.1 1.3B text to video.json", "prefix": "TPUWan", "loader": "TPUWanModelFilesLoader",
         "sampler": "TPUWanSampler", "model_label": "wan_transformer_fp16",
         "load_marker": "loaded transformer from wan_transformer_fp16.safetensors",
         "nodes": ["TPUWanDecode", "TPUWanImageEncode", "TPUWanLoRA", "TPUWanLoader", "TPUWanModelFilesLoader",
@@ -125,24 +127,25 @@ FAMILIES = {
         "small": {"TPUWanModelFilesLoader": {"diffusion_model": "wan_transformer_fp16.safetensors",
                                              "text_encoder": "umt5_fp16.safetensors",
                                              "vae": "wan_vae_bf16.safetensors", "dtype": "float32"},
-                  "TPUWanSampler": {"width": 64, "height": 64, "frames": 9, "steps": 3}},
-        "bad_frames": (10, "frames=10 must be 4*N+1 for Wan 2.1"),
-        "long": {"width": 832, "height": 480, "frames": 81, "steps": 200},
+                  "TPUWanSampler": {"width": 64, "height": 64, "length": 9, "steps": 3}},
+        "bad_frames": (10, "length=10 must be 4*N+1 for Wan 2.1"),
+        "long": {"width": 832, "height": 480, "length": 81, "steps": 200},
     },
 }
 
 
 LTX2 = {
-    "i2v": "ltx2_i2v_tpu.json", "t2v": "ltx2_t2v_two_stage_tpu.json", "model_label": "LTX-2-tiny",
+    "i2v": "17 LTX-2 image to video with sound.json",
+    "t2v": "16 LTX-2 two-stage text to video with sound.json", "model_label": "LTX-2-tiny",
     "nodes": ["TPULTX2Decode", "TPULTX2ImageEncode", "TPULTX2LoRA", "TPULTX2Loader", "TPULTX2ModelFilesLoader",
               "TPULTX2Sampler", "TPULTX2TextEncode", "TPULTX2Upsample"],
-    "size": {"width": 96, "height": 64, "frames": 17},
+    "size": {"width": 96, "height": 64, "length": 17},
     # The two-stage workflow's samplers by node id: stage 1 at half size, stage 2 (stage2 sigmas, 3 steps) at twice it.
     "stage1": "3", "stage2": "5",
     # Stage 2's model comes through the LoRA node: a tiny LoRA in the original names under the distilled LoRA's name.
     "lora": "ltx-2-19b-distilled-lora-384.safetensors",
-    "bad_frames": (20, "frames=20 must be 8*N+1 for LTX-2"),
-    "long": {"width": 768, "height": 512, "frames": 121, "steps": 200},
+    "bad_frames": (20, "length=20 must be 8*N+1 for LTX-2"),
+    "long": {"width": 768, "height": 512, "length": 121, "steps": 200},
 }
 
 
@@ -189,8 +192,8 @@ def i2v_trial(port: int, comfy: Path, info: dict) -> None:
     sampler's is reported on the sampler."""
     assert "tpu_trial_first.png" in info["LoadImage"]["input"]["required"]["image"][0]
     assert "i2v_clip_vision_fp16.safetensors" in info["TPUWanModelFilesLoader"]["input"]["optional"]["clip_vision"][0]
-    workflow = json.loads((ROOT / "workflows" / "wan2.1_i2v_480p_14B_tpu.json").read_text())
-    size = {"width": 64, "height": 64, "frames": 9}
+    workflow = json.loads((ROOT / "workflows" / "10 Wan 2.1 14B image to video 480p.json").read_text())
+    size = {"width": 64, "height": 64, "length": 9}
     small = {"TPUWanModelFilesLoader": {"diffusion_model": "i2v_wan_transformer_fp16.safetensors",
                                         "text_encoder": "i2v_umt5_fp16.safetensors",
                                         "vae": "i2v_wan_vae_bf16.safetensors", "dtype": "float32",
@@ -205,12 +208,12 @@ def i2v_trial(port: int, comfy: Path, info: dict) -> None:
     assert new, "no mp4 written"
     print("[i2v] Load Image -> Wan Image Encode -> sampler -> decode ran to", sorted(new)[0].name,
           f"({sorted(new)[0].stat().st_size} bytes)")
-    bad = ui_to_api(workflow, info, {**small, "TPUWanSampler": {**size, "frames": 13, "steps": 3}})
+    bad = ui_to_api(workflow, info, {**small, "TPUWanSampler": {**size, "length": 13, "steps": 3}})
     result = wait_for(port, http(port, "/prompt", {"prompt": bad})["prompt_id"], 300)
     messages = json.dumps(result["status"].get("messages", []))
-    assert result["status"]["status_str"] == "error" and "encoded for 9 frames of 64x64" in messages, messages
-    print("[i2v] an image encoded for another size is reported on the sampler:",
-          "the image was encoded for 9 frames of 64x64")
+    assert result["status"]["status_str"] == "error" and "the image was encoded for 64x64x9" in messages, messages
+    print("[i2v] a sampler set to another size than the image encoding's is reported on the sampler:",
+          "the image was encoded for 64x64x9")
 
 
 def run_to_mp4(port: int, comfy: Path, prompt: dict, prefix: str, timeout: float = 900) -> Path:
@@ -259,7 +262,7 @@ def ltx2_trial(port: int, comfy: Path, info: dict) -> None:
 
     t2v = json.loads((ROOT / "workflows" / f["t2v"]).read_text())
     two = {**loader, f["stage1"]: {**size, "steps": 3},
-           f["stage2"]: {"width": 2 * size["width"], "height": 2 * size["height"], "frames": size["frames"]},
+           f["stage2"]: {"width": 2 * size["width"], "height": 2 * size["height"], "length": size["length"]},
            "SaveVideo": {"filename_prefix": "video/tpu_trial_ltx2_t2v"}}
     assert f["lora"] in info["TPULTX2LoRA"]["input"]["required"]["lora_name"][0], "the LoRA is not listed"
     prompt = ui_to_api(t2v, info, two)
@@ -277,7 +280,7 @@ def ltx2_trial(port: int, comfy: Path, info: dict) -> None:
           f"audio {streams['audio_codec']}")
 
     frames, message = f["bad_frames"]
-    bad = ui_to_api(t2v, info, {**two, f["stage1"]: {**two[f["stage1"]], "frames": frames}})
+    bad = ui_to_api(t2v, info, {**two, f["stage1"]: {**two[f["stage1"]], "length": frames}})
     result = wait_for(port, http(port, "/prompt", {"prompt": bad})["prompt_id"], 120)
     error = next(m[1] for m in result["status"]["messages"] if m[0] == "execution_error")
     assert error["node_type"] == "TPULTX2Sampler" and error["node_id"] == f["stage1"], error
@@ -329,7 +332,7 @@ def trial(family: str, port: int, comfy: Path, info: dict) -> None:
     print(f"[{family}] workflow ran to", sorted(new)[0].name, f"({sorted(new)[0].stat().st_size} bytes)")
 
     frames, message = f["bad_frames"]
-    bad = ui_to_api(workflow, info, {**small, sampler: {**small[sampler], "frames": frames}})
+    bad = ui_to_api(workflow, info, {**small, sampler: {**small[sampler], "length": frames}})
     result = wait_for(port, http(port, "/prompt", {"prompt": bad})["prompt_id"], 120)
     error = next(m[1] for m in result["status"]["messages"] if m[0] == "execution_error")
     assert error["node_type"] == sampler, error

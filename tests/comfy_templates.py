@@ -20,8 +20,9 @@ FRONTEND_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
 PRIMITIVES = {"PrimitiveInt", "PrimitiveFloat"}  # value nodes of the backend (a PrimitiveNode is the frontend's)
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
 DYNAMIC_COMBO = "COMFY_DYNAMICCOMBO_V3"  # a combo whose chosen option brings widgets of its own (ComfyUI 0.33)
-MODEL_TYPES = ("MODEL", "CLIP", "VAE", "CLIP_VISION")
-TPU_NODES = {"MODEL": "TPUDiffusionModel", "CLIP": "TPUTextEncoder", "VAE": "TPUVAE", "CLIP_VISION": "TPUCLIPVision"}
+MODEL_TYPES = ("MODEL", "CLIP", "VAE", "CLIP_VISION", "AUDIO_ENCODER")
+TPU_NODES = {"MODEL": "TPUDiffusionModel", "CLIP": "TPUTextEncoder", "VAE": "TPUVAE", "CLIP_VISION": "TPUCLIPVision",
+             "AUDIO_ENCODER": "TPUAudioEncoder"}
 
 
 def templates_dir() -> Path:
@@ -33,17 +34,57 @@ def templates_dir() -> Path:
     return Path(package.__file__).parent / "templates"
 
 
+SAMPLERS = {"KSampler", "KSamplerAdvanced", "SamplerCustom", "SamplerCustomAdvanced"}
+
+
 def video_templates() -> dict[str, dict]:
-    """name -> workflow of every template in the package's Video category that runs locally (not a paid API's)."""
+    """name -> workflow of every template in the package's Video category that runs locally (not a paid API's), and
+    of its Video Tools category those that sample a video model (SeedVR2's upscaler; not the depth, segmentation or
+    frame interpolation tools)."""
     folder = templates_dir()
     index = json.loads((folder / "index.json").read_text())
-    video = next(c for c in index if c.get("type") == "video" and c.get("title") == "Video")
     out = {}
-    for entry in video["templates"]:
-        path = folder / f"{entry['name']}.json"
-        if path.is_file() and not entry["name"].startswith("api_") and "API" not in entry.get("tags", []):
-            out[entry["name"]] = json.loads(path.read_text())
+    for title in ("Video", "Video Tools"):
+        category = next(c for c in index if c.get("type") == "video" and c.get("title") == title)
+        for entry in category["templates"]:
+            path = folder / f"{entry['name']}.json"
+            if path.is_file() and not entry["name"].startswith("api_") and "API" not in entry.get("tags", []):
+                workflow = json.loads(path.read_text())
+                if title == "Video" or node_types(workflow) & SAMPLERS:
+                    out[entry["name"]] = workflow
     return out
+
+
+def template_usage() -> dict[str, int]:
+    """name -> the Templates browser's use count (``usage`` in the package's index.json) of every local video
+    template (those of ``video_templates``)."""
+    index = json.loads((templates_dir() / "index.json").read_text())
+    video = next(c for c in index if c.get("type") == "video" and c.get("title") == "Video")
+    local = set(video_templates())
+    return {e["name"]: int(e.get("usage", 0)) for e in video["templates"] if e["name"] in local}
+
+
+def documented_results(text: str) -> tuple[dict[str, tuple], float | None]:
+    """The "By use" table of docs/templates.md (template -> (uses, loads on 0.33, with the TPU nodes, automatic
+    mode)) and the share it states."""
+    import re as _re
+
+    rows = {}
+    section = text.split("## By use", 1)[1] if "## By use" in text else ""
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[1].replace(",", "").isdigit():
+            rows[cells[0].strip("`")] = (int(cells[1].replace(",", "")), cells[2], cells[3], cells[4])
+    found = _re.search(r"\*\*(\d+(?:\.\d+)?)% of the use\*\*", section)
+    return rows, float(found.group(1)) if found else None
+
+
+def equal_share(rows: dict[str, tuple]) -> float:
+    """The percentage of the use of the templates that load on 0.33 whose runs with the TPU nodes and in the automatic
+    mode are both equal to ComfyUI's own run."""
+    loads = {name: r for name, r in rows.items() if r[1] == "yes"}
+    equal = sum(r[0] for r in loads.values() if r[2].startswith("equal") and r[3].startswith("equal"))
+    return 100.0 * equal / max(1, sum(r[0] for r in loads.values()))
 
 
 def node_types(workflow: dict) -> set[str]:
@@ -94,6 +135,7 @@ def flatten_subgraphs(workflow: dict) -> dict:
                 outer_in[index] = (link[1], link[2])
         inner_out = {}  # subgraph output slot -> (inner node id, slot)
         new_links = []
+        unlinked = {}  # an unlinked subgraph input slot -> the inner (node, input slot)s it feeds
         for link in graph["links"]:
             link_id, origin, origin_slot, target, target_slot, kind = (
                 (link["id"], link["origin_id"], link["origin_slot"], link["target_id"], link["target_slot"],
@@ -103,6 +145,7 @@ def flatten_subgraphs(workflow: dict) -> dict:
                 continue
             if origin == -10:
                 if origin_slot not in outer_in:
+                    unlinked.setdefault(origin_slot, []).append((target, target_slot))
                     continue
                 origin, origin_slot = outer_in[origin_slot]
             else:
@@ -116,6 +159,16 @@ def flatten_subgraphs(workflow: dict) -> dict:
             for put in node["inputs"]:
                 if put["link"] is not None and put["link"] not in kept:
                     put["link"] = None
+        # An unlinked subgraph input shows the widget of an inner node it feeds (its promoted widget); inner inputs
+        # it feeds that are sockets, not widgets (a math expression's values), take that widget's value.
+        for feeds in unlinked.values():
+            widget = next(((t, inner[t]["inputs"][slot]["widget"]["name"]) for t, slot in feeds
+                           if t in inner and slot < len(inner[t]["inputs"])
+                           and inner[t]["inputs"][slot].get("widget")), None)
+            for target, slot in feeds:
+                put = inner[target]["inputs"][slot] if target in inner and slot < len(inner[target]["inputs"]) else {}
+                if widget is not None and not put.get("widget"):
+                    put["_widget_of"] = [prefix + str(widget[0]), widget[1]]
         for link in links:  # links out of the instance start at the inner output behind it
             if link[1] == instance["id"] and link[2] in inner_out:
                 link[1], link[2] = inner_out[link[2]]
@@ -200,6 +253,11 @@ def ui_to_api(workflow: dict, object_info: dict) -> dict:
                 continue
             inputs[inp["name"]] = found[1] if found[0] == "value" else list(found)
         prompt[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
+    for node in workflow["nodes"]:  # sockets fed by a subgraph's promoted widget (flatten_subgraphs)
+        for inp in node.get("inputs", []):
+            source_node = prompt.get(inp.get("_widget_of", [None])[0])
+            if str(node["id"]) in prompt and source_node is not None:
+                prompt[str(node["id"])]["inputs"][inp["name"]] = source_node["inputs"].get(inp["_widget_of"][1])
     return _without_dangling(prompt)
 
 
@@ -214,7 +272,10 @@ def _without_dangling(prompt: dict) -> dict:
 
 # --- making a template small, observing it, inserting the TPU nodes ------------------------------------------------
 def reduce_sizes(prompt: dict, object_info: dict, width: int, height: int, length: int, steps: int) -> dict:
-    """Every node's width / height / length widgets and step counts set small (a two-expert split scaled along)."""
+    """Every node's width / height / length widgets and step counts set small (a two-expert split scaled along). A
+    size a primitive node feeds is set on that node (VACE outpainting's); one computed by other nodes (a resolution
+    selector, a math expression from a duration, a switch between step counts: MiniMax H3's, Wan 2.2's subgraphs)
+    becomes the widget's own small value, the nodes that computed it left without a consumer."""
     for node in prompt.values():
         inputs = node["inputs"]
         names = {n for n, _ in _widget_names(object_info[node["class_type"]])}
@@ -222,27 +283,139 @@ def reduce_sizes(prompt: dict, object_info: dict, width: int, height: int, lengt
             source = inputs.get(name)
             if isinstance(source, list) and prompt.get(source[0], {}).get("class_type") in PRIMITIVES:
                 prompt[source[0]]["inputs"]["value"] = value  # a primitive node feeding the size (VACE outpainting)
-            elif name in names and not isinstance(source, list):
+            elif name in names:
                 inputs[name] = value
-        if "steps" in names and isinstance(inputs.get("steps"), int):
-            old = inputs["steps"]
+        if "steps" in names and isinstance(inputs.get("steps"), (int, list)):
+            old = inputs["steps"] if isinstance(inputs["steps"], int) else None
             inputs["steps"] = steps
             for name in ("start_at_step", "end_at_step"):
-                if isinstance(inputs.get(name), int) and inputs[name] <= old:
+                if old and isinstance(inputs.get(name), int) and inputs[name] <= old:
                     inputs[name] = round(inputs[name] * steps / old)
-    return prompt
+    _spread_computed_frame_indices(prompt, length)
+    return _without_unused(prompt)
+
+
+def _spread_computed_frame_indices(prompt: dict, length: int) -> None:
+    """Guide frames placed at an index other nodes compute (MiniMax H3's multi-frame reference: seconds x 24 fps,
+    frames 36, 72 and 120 of the full-length video) would fall outside the reduced video: they become literals spread
+    over its frames in the order the template places them (``_literal_value`` of the computing nodes where it can be
+    read, else the nodes' order), so each guide still lands on a frame of its own after the first."""
+    computed = [(node, node["inputs"]["frame_idx"]) for node in prompt.values()
+                if isinstance(node["inputs"].get("frame_idx"), list)]
+    order = sorted(range(len(computed)), key=lambda i: (_literal_value(prompt, computed[i][1]) or 0, i))
+    for rank, i in enumerate(order):
+        computed[i][0]["inputs"]["frame_idx"] = round((rank + 1) * (length - 1) / len(computed))
+
+
+def _literal_value(prompt: dict, source: list):
+    """The number a primitive node, or a ComfyMathExpression over primitive nodes, gives (None where it is computed
+    from anything else)."""
+    node = prompt.get(source[0], {})
+    if node.get("class_type") in PRIMITIVES:
+        return node["inputs"].get("value")
+    if node.get("class_type") != "ComfyMathExpression":
+        return None
+    values = {}
+    for name, value in node["inputs"].items():
+        if name.startswith("values."):
+            value = _literal_value(prompt, value) if isinstance(value, list) else value
+            if value is None:
+                return None
+            values[name.split(".", 1)[1]] = value
+    try:
+        return float(eval(node["inputs"]["expression"], {"__builtins__": {}, "round": round, "min": min,  # noqa: S307
+                                                          "max": max, "abs": abs}, values))
+    except Exception:  # noqa: BLE001 - an expression this reader does not know: the node's order decides
+        return None
+
+
+def _without_unused(prompt: dict) -> dict:
+    """The prompt without the value nodes nothing takes any more (ComfyUI would not run them either, but a node with
+    no consumer left is just noise in the prompt)."""
+    while True:
+        used = {v[0] for node in prompt.values() for v in node["inputs"].values()
+                if isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)}
+        dead = [k for k, node in prompt.items() if k not in used and node["class_type"] in VALUE_NODES]
+        if not dead:
+            return prompt
+        for key in dead:
+            del prompt[key]
+
+
+# Nodes that only compute a value for other nodes' inputs (no output of their own).
+VALUE_NODES = {"PrimitiveInt", "PrimitiveFloat", "PrimitiveBoolean", "PrimitiveString", "PrimitiveStringMultiline",
+               "ComfyMathExpression", "ComfySwitchNode", "ResolutionSelector", "GetImageSize", "MathExpression|pysssss"}
+
+
+AUDIO_DECODES = ("VAEDecodeAudio", "LTXVAudioVAEDecode")
 
 
 def observe(prompt: dict, prefix: str) -> dict:
-    """SaveLatent on the latents every VAE decode takes and SaveImage on the frames it gives (exact floats and 8-bit
-    PNGs to compare; the template's own nodes and links are left as they are)."""
+    """The latents every VAE decode takes (every stream of an audio-video latent, as exact floats), the frames it
+    gives (8-bit PNGs) and the waveform every audio decode gives, saved to compare (``OBSERVING_NODES``); the
+    template's own nodes and links are left as they are."""
     for node_id, node in list(prompt.items()):
         if node["class_type"] in ("VAEDecode", "VAEDecodeTiled"):
-            prompt[f"{node_id}_latent"] = {"class_type": "SaveLatent", "inputs": {
+            prompt[f"{node_id}_latent"] = {"class_type": "TemplateTestSaveLatent", "inputs": {
                 "samples": node["inputs"]["samples"], "filename_prefix": f"{prefix}/n{node_id}/latent"}}
             prompt[f"{node_id}_frames"] = {"class_type": "SaveImage", "inputs": {
                 "images": [node_id, 0], "filename_prefix": f"{prefix}/n{node_id}/frame"}}
+        elif node["class_type"] in AUDIO_DECODES:
+            prompt[f"{node_id}_audio"] = {"class_type": "TemplateTestSaveAudio", "inputs": {
+                "audio": [node_id, 0], "filename_prefix": f"{prefix}/n{node_id}/audio"}}
     return prompt
+
+
+# The test's own saving nodes (written into the test's copy of the tree): every stream of a latent (ComfyUI's
+# SaveLatent takes one tensor, not an audio-video pair) and an audio's waveform, as safetensors.
+OBSERVING_NODES = """
+import os
+
+import folder_paths
+from safetensors.torch import save_file
+
+
+def _path(prefix, suffix):
+    path = os.path.join(folder_paths.get_output_directory(), prefix + suffix)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return path
+
+
+class TemplateTestSaveLatent:
+    RETURN_TYPES = ()
+    FUNCTION = "save"
+    OUTPUT_NODE = True
+    CATEGORY = "testing"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"samples": ("LATENT",), "filename_prefix": ("STRING", {"default": "latent"})}}
+
+    def save(self, samples, filename_prefix):
+        value = samples["samples"]
+        streams = value.unbind() if getattr(value, "is_nested", False) else [value]
+        save_file({f"stream_{i}": t.contiguous().float() for i, t in enumerate(streams)},
+                  _path(filename_prefix, "_00001_.latent"))
+        return {}
+
+
+class TemplateTestSaveAudio:
+    RETURN_TYPES = ()
+    FUNCTION = "save"
+    OUTPUT_NODE = True
+    CATEGORY = "testing"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"audio": ("AUDIO",), "filename_prefix": ("STRING", {"default": "audio"})}}
+
+    def save(self, audio, filename_prefix):
+        save_file({"waveform": audio["waveform"].contiguous().float()}, _path(filename_prefix, "_00001_.audio"))
+        return {}
+
+
+NODE_CLASS_MAPPINGS = {"TemplateTestSaveLatent": TemplateTestSaveLatent, "TemplateTestSaveAudio": TemplateTestSaveAudio}
+"""
 
 
 def loader_outputs(class_type: str, object_info: dict) -> list[tuple[int, str]]:
@@ -255,10 +428,14 @@ def loader_outputs(class_type: str, object_info: dict) -> list[tuple[int, str]]:
     return [(i, t) for i, t in enumerate(info["output"]) if t in MODEL_TYPES]
 
 
-def insert_tpu_nodes(prompt: dict, object_info: dict) -> dict:
-    """The three (four) TPU nodes right after every loader, every consumer of a loader's model output rewired."""
+def insert_tpu_nodes(prompt: dict, object_info: dict, kinds=MODEL_TYPES) -> dict:
+    """The TPU nodes (diffusion model, text encoder, VAE, CLIP vision, audio encoder) right after every loader, every
+    consumer of a loader's model output rewired
+    (``kinds``: only those of these output types, to tell which part makes a difference)."""
     for node_id, node in list(prompt.items()):
         for slot, kind in loader_outputs(node["class_type"], object_info):
+            if kind not in kinds:
+                continue
             tpu_id = f"{node_id}_tpu{slot}"
             for other in prompt.values():
                 for name, value in other["inputs"].items():
@@ -275,6 +452,17 @@ def _wan(kind: str, **extra):
     return lambda: tiny_wan(kind, layers=1, **extra)
 
 
+def _tiny(builder: str, **options):
+    """A builder of ``tpu_runtime.bridge.tiny`` by name (imported when ComfyUI's code is)."""
+
+    def build():
+        from tpu_runtime.bridge import tiny
+
+        return getattr(tiny, builder)(**options)
+
+    return build
+
+
 # Diffusion model file names (regular expressions) -> the tiny model of its architecture, as ComfyUI's detection reads
 # it from the weights (model type, input channels).
 DIFFUSION_MODELS = (
@@ -286,6 +474,13 @@ DIFFUSION_MODELS = (
     (r"wan2\.2_t2v_(high|low)_noise_14B", _wan("t2v")),
     (r"wan2\.2_(i2v|fun_inpaint)_(high|low)_noise_14B", _wan("t2v", in_dim=36)),
     (r"wan2\.2_fun_control_(high|low)_noise_14B", _wan("t2v", in_dim=52)),
+    (r"wan2\.2_ti2v_5B", _wan("t2v", in_dim=48, out_dim=48)),  # Wan 2.2 TI2V-5B: 48 latent channels in and out
+    (r"wan2\.2_fun_control_5B", _wan("t2v", in_dim=148, out_dim=48)),  # + control and image latents, the mask
+    (r"wan2\.2_fun_inpaint_5B", _wan("t2v", in_dim=100, out_dim=48)),  # + the image latent and the mask
+    # --- other templates (SCAIL-2, SeedVR2, Bernini-R, Wan Animate 2, HunyuanVideo 1.5, ...) ---
+    (r"wan2\.1_14B_SCAIL_2_", _tiny("tiny_scail")),  # written by MODEL_FILES; its LoRAs read this
+    (r"wan2\.2_bernini_r_(high|low)_noise", _wan("t2v")),  # Wan 2.2 A14B T2V with in-context references
+    (r"wan2\.2_s2v_14B_", _tiny("tiny_wan_s2v")),  # written by MODEL_FILES; its LoRA reads this
 )
 
 
@@ -304,23 +499,210 @@ def widget_files(prompt: dict) -> dict[str, set[str]]:
 
 
 FOLDERS = {"unet_name": "diffusion_models", "clip_name": "text_encoders", "vae_name": "vae",
-           "lora_name": "loras", "ckpt_name": "checkpoints"}
-KNOWN_FILES = (r"^umt5_xxl_.*\.safetensors$", r"^(wan_2\.1_vae|Wan2_1_VAE_bf16)\.safetensors$",
-               r"^clip_vision_h\.safetensors$")
+           "lora_name": "loras", "ckpt_name": "checkpoints", "clip_vision": "clip_vision",
+           "audio_encoder_name": "audio_encoders", "clip_name1": "text_encoders", "clip_name2": "text_encoders"}
+
+
+def _umt5(path, seed, server):
+    from tpu_runtime.bridge.tiny import save_umt5
+
+    save_umt5(path, server.umt5, seed=seed)
+
+
+def _wan21_vae(path, seed, server):
+    from tpu_runtime.bridge.tiny import save_wan_vae
+
+    save_wan_vae(path, seed=seed)
+
+
+def _wan22_vae(path, seed, server):
+    from tpu_runtime.bridge.tiny import save_wan22_vae
+
+    save_wan22_vae(path, seed=seed)
+
+
+def _clip_vision_h(path, seed, server):
+    server.clip_vision_file(path, seed)
+
+
+def _minimax(writer_name: str):
+    """A MiniMax H3 file, written at the tiny sizes a test's server builds MiniMax H3's fixed-size parts at."""
+
+    def write(path, seed, server):
+        from tpu_runtime.bridge import tiny
+
+        with tiny.minimax_h3_reduced():
+            getattr(tiny, writer_name)(path, seed)
+
+    return write
+
+
+def _minimax_lora(path, seed, server):
+    from safetensors.torch import save_file
+    from tpu_runtime.bridge.tiny import QWEN3VL_32B_TINY, minimax_h3_lora, tiny_minimax_h3
+
+    module = tiny_minimax_h3(curve=True, text_dim=QWEN3VL_32B_TINY["hidden_size"])
+    save_file(minimax_h3_lora(module, seed=seed), str(path))
+
+
+def _dit(builder: str, **options):
+    """A diffusion model file of a tiny builder in the layout its name says: blocks int8 ConvRot
+    (``save_int8_convrot_blocks``) for an ``int8_convrot`` file, float16 otherwise (fp16, bf16 and fp8 names: the
+    tests' loaders read all alike)."""
+
+    def write(path, seed, server):
+        from tpu_runtime.bridge.tiny import save_diffusion_model, save_int8_convrot_blocks
+
+        module = _tiny(builder, **options)()
+        if "int8_convrot" in path.name:
+            save_int8_convrot_blocks(module, path, seed)
+        else:
+            save_diffusion_model(module, path, seed=seed, dtype=torch.float16)
+
+    return write
+
+
+def _sam3(path, seed, server):
+    from tpu_runtime.bridge import tiny
+
+    with tiny.sam3_reduced():
+        tiny.save_sam3(path, seed)
+
+
+def _seedvr2(part: str):
+    """SeedVR2's DiT (int8 ConvRot blocks) or VAE, at the tiny sizes a test's server builds them at."""
+
+    def write(path, seed, server):
+        from tpu_runtime.bridge import tiny
+
+        with tiny.seedvr2_reduced():
+            if part == "dit":
+                tiny.save_int8_convrot_blocks(tiny.tiny_seedvr2(), path, seed)
+            else:
+                tiny.save_seedvr2_vae(path, seed)
+
+    return write
+
+
+def _hunyuan_video_15(part: str):
+    """HunyuanVideo 1.5's text encoders, image encoder and VAE, at the tiny sizes a test's server builds them at
+    (``server.byt5``, ``server.siglip``: the configurations its ComfyUI copy holds)."""
+
+    def write(path, seed, server):
+        from tpu_runtime.bridge import tiny
+
+        with tiny.hunyuan_video_15_reduced():
+            if part == "qwen":
+                tiny.save_qwen25_7b(path, seed)
+            elif part == "byt5":
+                tiny.save_byt5_small_glyph(path, server.byt5, seed)
+            elif part == "siglip":
+                tiny.save_siglip_384(path, server.siglip, seed)
+            else:
+                tiny.save_hunyuan_video_15_vae(path, seed)
+
+    return write
+
+
+def _wav2vec2(released_width: int):
+    def write(path, seed, server):
+        from tpu_runtime.bridge.tiny import save_wav2vec2
+
+        save_wav2vec2(path, seed, released_width)
+
+    return write
+
+
+# (loader input, file name pattern, writer(path, seed, server), the parts its model runs as on the runtime): every
+# other file a template asks for, built tiny in the layout its name says (quantized ones quantized as the released
+# files are). A part is the label the runtime's "compiled <part> ..." / "loaded <part> ..." lines give it; one marked
+# IMAGE runs only in a template that feeds an image to the model (image to video, references).
+IMAGE = "?image"
+MODEL_FILES = (
+    ("clip_name", r"^umt5_xxl_.*\.safetensors$", _umt5, ()),
+    ("vae_name", r"^(wan_2\.1_vae|Wan2_1_VAE_bf16)\.safetensors$", _wan21_vae, ("WanVAE.decoder",)),
+    ("vae_name", r"^wan2\.2_vae\.safetensors$", _wan22_vae, ("WanVAE.decoder", "WanVAE.encoder" + IMAGE)),
+    ("clip_vision", r"^clip_vision_h\.safetensors$", _clip_vision_h, ()),
+    ("unet_name", r"^minimax_h3_(fl2va|ref2va)_pruned_int8_convrot\.safetensors$", _minimax("save_minimax_h3_dit"),
+     ("MiniMaxH3Model", "MiniMaxH3Model.preprocess_text_embeds")),
+    ("clip_name", r"^qwen3vl_32b_minimax_h3_nvfp4_awq\.safetensors$", _minimax("save_minimax_h3_text_encoder"),
+     ("MiniMaxQwen3VL (qwen3vl_32b)", "Qwen3VLVisionModel (qwen3vl_32b)" + IMAGE)),
+    ("vae_name", r"^minimax_h3_video_vae_int8_convrot\.safetensors$", _minimax("save_minimax_h3_video_vae"),
+     ("MiniMaxH3VideoVAE.decoder", "MiniMaxH3VideoVAE.encoder" + IMAGE)),
+    ("vae_name", r"^minimax_h3_audio_vae_fp32\.safetensors$", _minimax("save_minimax_h3_audio_vae"),
+     ("MiniMaxH3AudioVAE.decoder",)),
+    ("lora_name", r"^minimax_h3_(fl2v|ref2v)_turbo_.*\.safetensors$", _minimax_lora, ()),
+    # --- other templates (SCAIL-2, SeedVR2, Bernini-R, Wan Animate 2, HunyuanVideo 1.5, ...) ---
+    ("unet_name", r"^wan2\.1_14B_SCAIL_2_(fp16|int8_convrot)\.safetensors$", _dit("tiny_scail"), ("SCAIL2WanModel",)),
+    ("ckpt_name", r"^sam3\.1_multiplex_fp16\.safetensors$", _sam3, ("ViTDet", "CLIPTextModel (sam3_clip)")),
+    ("unet_name", r"^seedvr2_3b_int8_convrot\.safetensors$", _seedvr2("dit"), ("NaDiT",)),
+    ("unet_name", r"^wan_animate_2_distill_int8_convrot\.safetensors$", _dit("tiny_wan_animate"),
+     ("AnimateWanModel",)),
+    ("unet_name", r"^wan2\.2_s2v_14B_fp8_scaled\.safetensors$", _dit("tiny_wan_s2v"), ("WanModel_S2V",)),
+    ("audio_encoder_name", r"^wav2vec2_large_english_fp16\.safetensors$", _wav2vec2(1024), ("Wav2Vec2Model",)),
+    ("audio_encoder_name", r"^wav2vec2-chinese-base_fp16\.safetensors$", _wav2vec2(768), ("Wav2Vec2Model",)),
+    ("unet_name", r"^hunyuanvideo1\.5_720p_(i2v|t2v)_fp16\.safetensors$", _dit("tiny_hunyuan_video_15"),
+     ("HunyuanVideo",)),
+    ("clip_name1", r"^qwen_2\.5_vl_7b(_fp8_scaled)?\.safetensors$", _hunyuan_video_15("qwen"),
+     ("Qwen25_7BVLI (qwen25_7b)",)),
+    # ByT5 encodes only the text a prompt quotes (glyphs to draw): the templates' prompts quote none
+    ("clip_name2", r"^byt5_small_glyphxl_fp16\.safetensors$", _hunyuan_video_15("byt5"), ()),
+    ("clip_vision", r"^sigclip_vision_patch14_384\.safetensors$", _hunyuan_video_15("siglip"),
+     ("CLIPVisionModelProjection",)),
+    ("vae_name", r"^hunyuanvideo15_vae_fp16\.safetensors$", _hunyuan_video_15("vae"),
+     ("AutoencodingEngine.decoder", "AutoencodingEngine.encoder" + IMAGE)),
+    ("vae_name", r"^seedvr2_ema_vae_fp16\.safetensors$", _seedvr2("vae"),
+     ("VideoAutoencoderKLWrapper.slicing_decode", "VideoAutoencoderKLWrapper.slicing_encode")),
+)
+
+
+def expected_parts(prompt: dict) -> set[str]:
+    """The parts of a prompt's models that must run on the runtime (each must have its compiled/loaded line)."""
+    images = any(n["class_type"] in ("LoadImage", "LoadVideo") for n in prompt.values())
+    found = set()
+    for input_name, names in widget_files(prompt).items():
+        for name in names:
+            entry = _file_entry(input_name, name)
+            for part in entry[3] if entry else ():
+                if not part.endswith(IMAGE):
+                    found.add(part)
+                elif images:
+                    found.add(part[: -len(IMAGE)])
+    return found
+
+
+def w8a8(prompt: dict) -> bool:
+    """Whether a prompt loads int8 files, whose layers ComfyUI and the runtime both run W8A8 (see ``compare``)."""
+    return any("int8" in name for names in widget_files(prompt).values() for name in names)
+
+
+def _file_entry(input_name: str, name: str):
+    if "clip_vision" in name:  # Load CLIP Vision's input is named clip_name too
+        input_name = "clip_vision"
+    return next((e for e in MODEL_FILES if e[0] == input_name and re.search(e[1], name)), None)
+
+
+def file_writer(input_name: str, name: str):
+    """writer(path, seed, server) for a file a template's loader input asks for, or None: no tiny builder."""
+    entry = _file_entry(input_name, name)
+    found = entry[2] if entry else None
+    if found is not None:
+        return found
+    if input_name == "unet_name" and diffusion_builder(name) is not None:
+        def write(path, seed, server):
+            from tpu_runtime.bridge.tiny import save_diffusion_model
+
+            save_diffusion_model(diffusion_builder(name)(), path, seed=seed, dtype=torch.float16)
+        return write
+    if input_name == "lora_name" and re.search(r"Wan21_CausVid|wan2\.\d_.*lora|lightx2v_", name):
+        return "wan_lora"  # made for the template's Wan model (the server knows which)
+    return None
 
 
 def missing_builders(prompt: dict) -> list[str]:
     """The model files of a prompt no tiny builder here makes (the reason a template is not in the test)."""
-    missing = []
-    for input_name, names in widget_files(prompt).items():
-        for name in sorted(names):
-            if input_name == "unet_name" and diffusion_builder(name) is None:
-                missing.append(name)
-            elif input_name == "lora_name" and not re.search(r"Wan21_CausVid|wan2\.\d_.*lora|lightx2v_", name):
-                missing.append(name)
-            elif input_name not in ("unet_name", "lora_name") and not any(re.search(p, name) for p in KNOWN_FILES):
-                missing.append(name)
-    return missing
+    return [name for input_name, names in widget_files(prompt).items() for name in sorted(names)
+            if file_writer(input_name, name) is None]
 
 
 def tiny_lora(module: torch.nn.Module, seed: int, rank: int = 4) -> dict[str, torch.Tensor]:
@@ -355,3 +737,17 @@ def write_video(path: Path, seed: int, frames: int = 9, size=(48, 64)) -> None:
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
+
+
+def write_audio(path: Path, seed: int, seconds: float = 1.0, rate: int = 16000) -> None:
+    """A short random stereo clip as 16-bit PCM WAV (under any name the template gives it: ComfyUI's loader reads the
+    content, not the extension)."""
+    import wave
+
+    rng = np.random.default_rng(seed)
+    samples = (rng.standard_normal((int(seconds * rate), 2)) * 0.2 * 32767).clip(-32767, 32767).astype("<i2")
+    with wave.open(str(path), "wb") as out:
+        out.setnchannels(2)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes(samples.tobytes())

@@ -4,7 +4,9 @@ JAX runs on CPU in tests: JAX_PLATFORMS is set before anything imports jax. The 
 goes to a temporary folder of this run, so tests never read a cache left by an earlier run: the first pytest process
 makes it and xdist's workers, started by that process, inherit it (``_RUN_CACHE_ENV``), so a program one worker
 compiled is loaded, not compiled again, by the other and by the processes the tests start. The process that made it
-removes it at the end. A test whose claim needs a cache of its own (a restarted process that compiles nothing, a
+removes it at the end. The programs the runtime saves for later processes go there too (its ``programs/`` folder):
+a process that needs a program another one of the run saved loads it (``CompileStats.programs_loaded``), traced and
+compiled by no one. A test whose claim needs a cache of its own (a restarted process that compiles nothing, a
 first run that compiles everything) gives its process one (``--cache-dir``, ``TPU_VIDEO_CACHE_DIR``); counts of
 programs built in this process are ``backend_compiles``, which a hit in the shared cache does not lower.
 """

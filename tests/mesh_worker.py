@@ -69,8 +69,9 @@ def frames_job(job, out: Path) -> dict:
             "vae_sharding": family.vae_sharding,
             "decode_split_axes": [list(a) if isinstance(a, tuple) else a
                                   for a in family._vae_input_spec(tuple(latents.latents.shape))],
-            # programs built for the sampler (compiled, or loaded from the run's compilation cache)
-            "sample_programs": family.timings.compiles["sample"] + family.timings.cache_hits.get("sample", 0),
+            # programs built for the sampler (compiled, or loaded from the run's compilation cache or saved programs)
+            "sample_programs": family.timings.compiles["sample"] + family.timings.cache_hits.get("sample", 0)
+            + family.timings.loaded.get("sample", 0),
             "recompiles_second_run": compile_stats().since(before).backend_compiles,
             "collectives": {op: len(re.findall(rf"= [^\n]*\b{op}(?:-start)?\(", hlo))
                             for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")},

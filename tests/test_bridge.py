@@ -326,8 +326,18 @@ def _fp8_file(model_module, path, seed, scaled: bool):
     return path
 
 
+def as_on_a_tpu(pack, model, monkeypatch):
+    """TPU Diffusion Model's defaults as a TPU backend chooses them (compute_dtype auto: bfloat16 for fp8, quantized
+    and half-precision files; on the CPU backend auto keeps ComfyUI's own float32); the program runs here."""
+    from tpu_runtime.engine.runtime import get_runtime
+
+    with monkeypatch.context() as patched:
+        patched.setattr(get_runtime(), "backend", "tpu")
+        return tpu(pack, model)
+
+
 @pytest.mark.parametrize("scaled", [False, True])
-def test_fp8_weights_stay_fp8_on_the_devices(pack, tmp_path, scaled):
+def test_fp8_weights_stay_fp8_on_the_devices(pack, tmp_path, scaled, monkeypatch):
     path = _fp8_file(tiny_wan("t2v"), tmp_path / "wan_fp8.safetensors", seed=12, scaled=scaled)
     model = load(path, dtype=torch.float8_e4m3fn) if not scaled else load(path)
     positive, negative = conds()
@@ -336,23 +346,25 @@ def test_fp8_weights_stay_fp8_on_the_devices(pack, tmp_path, scaled):
     assert relative(sample(on_tpu, LATENT, positive, negative), native) < TOL
     state = bridged(on_tpu).state
     assert str(state["blocks.0.self_attn.q.weight"].dtype) == "float8_e4m3fn"  # cast inside the program
-    # auto: computed in bfloat16 as ComfyUI computes fp8 weights on an accelerator
+    # auto on a TPU: computed in bfloat16 as ComfyUI computes fp8 weights on an accelerator
     import comfy.sample  # noqa: F401
 
     as_gpu = model.clone()
     as_gpu.add_object_patch("manual_cast_dtype", torch.bfloat16)
     reference = sample(as_gpu, LATENT, positive, negative)
-    assert relative(sample(tpu(pack, model), LATENT, positive, negative), reference) < 3e-2
+    assert relative(sample(as_on_a_tpu(pack, model, monkeypatch), LATENT, positive, negative), reference) < 3e-2
+    # auto on this machine's CPU backend: ComfyUI's own float32
+    assert relative(sample(tpu(pack, model), LATENT, positive, negative), native) < TOL
 
 
-def test_bf16_weights_compute_in_bf16(pack, files):
+def test_bf16_weights_compute_in_bf16(pack, files, monkeypatch):
     model = load(files["wan"], dtype=torch.bfloat16)
     assert model.model.manual_cast_dtype == torch.float32  # what --cpu chose: every layer cast up
     positive, negative = conds()
     as_gpu = model.clone()
     as_gpu.add_object_patch("manual_cast_dtype", None)
     reference = sample(as_gpu, LATENT, positive, negative)
-    on_tpu = tpu(pack, model)
+    on_tpu = as_on_a_tpu(pack, model, monkeypatch)
     assert relative(sample(on_tpu, LATENT, positive, negative), reference) < 3e-2
     assert str(bridged(on_tpu).state["blocks.0.ffn.0.weight"].dtype) == "bfloat16"
     exact = tpu(pack, model, compute_dtype="as loaded")

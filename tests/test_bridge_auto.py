@@ -172,3 +172,108 @@ def test_tpu_clip_vision_equals_native_and_compiles_once_per_batch(pack):
     assert bridged.stats.programs == 1 and bridged.stats.calls == 2
     with pytest.raises(Exception, match="not a loaded CLIP vision model"):
         pack.NODE_CLASS_MAPPINGS["TPUCLIPVision"]().apply("clip_vision_h.safetensors")
+
+
+def _later_chunks_untraceable(decoder):
+    """The decoder of a Wan VAE changed so that only its calls after the first chunk cannot be compiled (a Python
+    branch on a computed value once the caches hold frames); natively it computes what it did."""
+    base = type(decoder)
+
+    class LaterChunksBranch(base):
+        def forward(self, x, feat_cache=None, feat_idx=[0], **kwargs):  # noqa: B006 - ComfyUI's own signature
+            if feat_cache is not None and any(v is not None for v in feat_cache) and float(x.abs().max()) < 0:
+                x = -x  # never taken: the branch is what a trace cannot do
+            return base.forward(self, x, feat_cache=feat_cache, feat_idx=feat_idx, **kwargs)
+
+    decoder.__class__ = LaterChunksBranch
+
+
+def test_a_vae_found_untraceable_midway_decodes_again_on_the_host(pack, auto, caplog):
+    """A causal VAE whose decoder traces on the first chunk and fails on the second (its caches already on the
+    devices): the automatic mode decodes the whole video again on the host, equal to the native run, and the next
+    decode runs on the host from its start; the encoder stays on the runtime."""
+    import nodes
+    from tpu_runtime.bridge.tiny import tiny_vae
+
+    vae = tiny_vae("wan2.1", seed=5)
+    _later_chunks_untraceable(vae.first_stage_model.decoder)
+    g = torch.Generator().manual_seed(3)
+    samples = torch.randn(1, 16, 3, 4, 4, generator=g)
+    pixels = torch.rand(5, 32, 32, 3, generator=g)
+    with torch.inference_mode():
+        native = nodes.VAEDecode().decode(vae, {"samples": samples})[0]
+        native_latents = nodes.VAEEncode().encode(vae, pixels)[0]["samples"]
+        on_runtime = auto.on_runtime("vae", vae, "VAELoader")
+        with caplog.at_level(logging.WARNING, logger="tpu_runtime.bridge.auto"):
+            out = nodes.VAEDecode().decode(on_runtime, {"samples": samples})[0]
+            again = nodes.VAEDecode().decode(on_runtime, {"samples": samples})[0]
+        latents = nodes.VAEEncode().encode(on_runtime, pixels)[0]["samples"]
+    assert relative(out, native) < TOL and relative(again, native) < TOL
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("WanVAE.decoder runs on the host" in m for m in messages) == 1, messages
+    assert sum("WanVAE.decode starts again on the host" in m for m in messages) == 1, messages
+    assert relative(latents, native_latents) < TOL
+    encoder = on_runtime.patcher.object_patches["encoder.forward"]
+    assert encoder.bridged.stats.calls > 0 and encoder.bridged.stats.programs > 0
+
+
+class _HalfWay(torch.nn.Module):
+    """A model that changes its own state while it runs, then (traced) fails half way on a Python branch on a
+    computed value; on the host it runs to the end."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.table = [1, 2]
+        self.memo = {"kept": 1}
+        self.cache = None
+
+    def forward(self, x):
+        self.cache = x  # a computed value kept on the module
+        self.table.append(x)  # items put into a list and a dict it holds
+        self.memo["x"] = x
+        self.table = [x]  # a new list in place of the one the caller may hold
+        self.linear.seen = x  # an attribute added to a submodule
+        y = self.linear(x)
+        if float(y.sum()) > -1e9:  # data-dependent: where a trace stops
+            y = y * 2
+        return y
+
+
+def test_a_failed_trace_leaves_the_model_as_it_was(pack):
+    """Whatever the model's code did to its modules before the trace failed is undone: every attribute holds the
+    object it held (added ones are gone), lists and dicts hold their items, no traced value is left; the model then
+    runs on the host as a fresh copy does. A successful trace leaves no traced value either."""
+    from tpu_runtime.bridge.program import BridgedModule, UntraceableModel
+    from tpu_runtime.bridge.rules import ArchRules
+
+    torch.manual_seed(0)
+    model = _HalfWay()
+    table, memo = model.table, model.memo
+    before = {id(m): dict(vars(m)) for m in model.modules()}
+    bridged = BridgedModule(module=model, method=_HalfWay.forward, rules=ArchRules(name="toy"), options_arg=None)
+    x = torch.randn(2, 4)
+    with pytest.raises(UntraceableModel, match="data-dependent Python control flow"):
+        bridged(x)
+    for m in model.modules():
+        assert dict(vars(m)) == before[id(m)], type(m).__name__
+    assert model.table is table and table == [1, 2] and model.memo is memo and memo == {"kept": 1}
+    assert model.cache is None and not hasattr(model.linear, "seen")
+    fresh = _HalfWay()
+    fresh.load_state_dict(model.state_dict())
+    assert torch.equal(model(x), fresh(x))
+
+    class Remembers(torch.nn.Module):  # traceable, and keeps what it computed
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+            self.last = None
+
+        def forward(self, x):
+            self.last = self.linear(x)
+            return self.last * 2
+
+    model = Remembers()
+    bridged = BridgedModule(module=model, method=Remembers.forward, rules=ArchRules(name="toy"), options_arg=None)
+    out = bridged(x)
+    assert model.last is None and torch.allclose(out, model(x), atol=1e-6)

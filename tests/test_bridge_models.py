@@ -143,3 +143,53 @@ def test_wan_animate_pose_and_face(pack, tmp_path):
                                pose_video_latent=torch.randn(1, 16, 1, 4, 4, generator=g),
                                face_video_pixels=torch.rand(1, 3, 1, 512, 512, generator=g) * 2 - 1)
     equal_native(pack, model, torch.zeros(1, 16, 2, 4, 4), positive, negative, cfg=1.0, steps=2)
+
+
+@pytest.mark.comfy_versions("0.33")
+def test_seedvr2_sizes_kept_as_tensors(pack, tmp_path):
+    """SeedVR2's NaDiT (the video upscaler) flattens the video into one sequence and keeps its sizes as tensors, from
+    which it splits, windows and unflattens (``.tolist()``): computed from the shapes while traced they stay
+    concrete (``comfy.SIZES_AS_TENSORS``); its variable-length attention calls ComfyUI's attention module. Its own
+    conditioning node's text (58 tokens) and the video's latent concatenated with its mask, without CFG as its
+    template samples (the template test runs it with CFG's two text lengths too)."""
+    import comfy_extras.nodes_seedvr as seedvr
+
+    from tpu_runtime.bridge import tiny
+
+    with tiny.seedvr2_reduced():
+        model = load(save_diffusion_model(tiny.tiny_seedvr2(), tmp_path / "seedvr2.safetensors", seed=9))
+    assert type(model.model).__name__ == "SeedVR2"
+    g = torch.Generator().manual_seed(10)
+    positive, negative = seedvr.SeedVR2Conditioning.execute(
+        model, {"samples": torch.randn(1, 16, 2, 4, 6, generator=g)}).result[:2]
+    equal_native(pack, model, torch.zeros(1, 16, 2, 4, 6), positive, negative, cfg=1.0, steps=1)
+
+
+@pytest.mark.comfy_versions("0.33")
+def test_seedvr2_vae_slices_with_its_caches_on_the_devices(pack, tmp_path):
+    """SeedVR2's VAE (it tiles the video itself) encodes and decodes a video longer than one slice, its causal caches
+    carried between slices in a dict keyed by its layers: its slicing loop is one program, equal ComfyUI's run,
+    through the tiled nodes its template uses."""
+    import comfy.sd
+    import comfy.utils
+    import nodes
+
+    from tpu_runtime.bridge import tiny
+    from tpu_runtime.bridge.vae import bridged_parts
+
+    with tiny.seedvr2_reduced():
+        vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(tiny.save_seedvr2_vae(tmp_path / "vae.safetensors", 4))))
+    assert vae.handles_tiling and vae.first_stage_model.slicing_sample_min_size < 8
+    g = torch.Generator().manual_seed(11)
+    pixels = torch.rand(9, 32, 48, 3, generator=g)
+    with torch.inference_mode():
+        on_tpu = pack.NODE_CLASS_MAPPINGS["TPUVAE"]().apply(vae)[0]
+        latents = nodes.VAEEncodeTiled().encode(on_tpu, pixels, 512, 128, 64, 8)[0]["samples"]
+        assert latents.shape == (1, 16, 3, 4, 6)
+        assert relative(latents, nodes.VAEEncodeTiled().encode(vae, pixels, 512, 128, 64, 8)[0]["samples"]) < TOL
+        frames = nodes.VAEDecodeTiled().decode(on_tpu, {"samples": latents}, 512, 128, 64, 8)[0]
+        assert frames.shape == (9, 32, 48, 3)
+        assert relative(frames, nodes.VAEDecodeTiled().decode(vae, {"samples": latents}, 512, 128, 64, 8)[0]) < TOL
+    parts = bridged_parts(on_tpu)
+    assert set(parts) == {"slicing_encode", "slicing_decode"}
+    assert parts["slicing_encode"].stats.programs == parts["slicing_decode"].stats.programs == 1

@@ -1,4 +1,4 @@
-"""plan --comfy-model for ComfyUI 0.33's LTX-2 19B, LTX-2.3 22B and HunyuanVideo 1.5: their released configs build
+"""plan --comfy-model for ComfyUI 0.33's LTX-2 19B, LTX-2.3 22B, HunyuanVideo 1.5 and MiniMax H3: their released configs build
 ComfyUI's classes at the released sizes, the bridge's rule tables split their big matrices Megatron-style (the audio
 stream and the text connectors of LTX-2 too), and their steps compile for a v6e-8 (checked on reduced configs of the
 same classes: the released-size compiles take minutes; their rows are in docs/plan.md)."""
@@ -13,10 +13,12 @@ RELEASED = {  # name: (rule table, parameters in billions: ComfyUI's diffusion m
     "ltx2-19b": ("LTX-2", 19.4, 19.8),
     "ltx2.3-22b": ("LTX-2", 20.8, 21.2),  # + Gemma's 1.16B per-stream text projection, held by the text encoder
     "hunyuanvideo1.5": ("HunyuanVideo", 8.2, 8.4),
+    "minimax-h3": ("MiniMax H3", 19.5, 21.0),  # the pruned (curve) form its templates load (a 19.5 GB int8 file)
 }
 # The matrices the rules leave whole on purpose: timestep modulation and embedding tables, small projections.
 WHOLE = re.compile(r"adaln|adaLN|scale_shift|_mod\.|embedder|time_in|caption_projection|patchify|proj_out|"
-                   r"final_layer|byt5_in|vision_in|img_in|learnable_registers|to_gate_logits")
+                   r"final_layer|byt5_in|vision_in|img_in|learnable_registers|to_gate_logits|condition_proj|"
+                   r"patch_proj")
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,7 @@ def test_the_rules_split_the_big_matrices(comfy, name):
     assert not left, left[:5]
     coverage = rule_coverage(shapes, rules)
     assert coverage["split"] > 0.97 * (coverage["split"] + coverage["whole"])
-    assert rules.auto_mesh(module, 8).tp == 8  # 32 (LTX-2) or 16 (HunyuanVideo 1.5) heads on tp
+    assert rules.auto_mesh(module, 8).tp == 8  # 32 (LTX-2), 16 (HunyuanVideo 1.5) or 56 (MiniMax H3) heads on tp
     if rules_name == "LTX-2":  # the audio stream and the streams' attention to each other, Megatron-style
         for block in ("attn1", "audio_attn1", "audio_to_video_attn", "video_to_audio_attn"):
             assert specs[f"transformer_blocks.0.{block}.to_q.weight"] == ("tp", None)
@@ -61,6 +63,8 @@ REDUCED = {
                        caption_channels=256, connector_num_attention_heads=8, connector_attention_head_dim=64,
                        audio_connector_num_attention_heads=8, audio_connector_attention_head_dim=32),
     "hunyuanvideo1.5": dict(hidden_size=1024, num_heads=8, context_in_dim=256),
+    "minimax-h3": dict(hidden_size=512, num_attention_heads=8, attention_head_dim=64, ffn_hidden_size=1024,
+                       text_dim=256, time_embed_dim=128, rope_inv_freq_len=8),
 }
 
 
@@ -73,20 +77,26 @@ def test_a_reduced_step_compiles_for_v6e8(comfy, monkeypatch, name):
     config = {**released.config, **REDUCED[name]}
     width = 2 * config["caption_channels"] if name == "ltx2-19b" else (
         config["cross_attention_dim"] + config["audio_cross_attention_dim"] if released.audio
-        else config["context_in_dim"])
+        else config.get("context_in_dim", config.get("hidden_size")))
     reduced = dataclasses.replace(released, name=f"{name}-reduced", config=config, text=(64, width))
     monkeypatch.setitem(architectures.ARCHITECTURES, reduced.name, reduced)
-    report = plan_native(reduced.name, None, "v6e-8", height=64, width=64, frames=9, layers=1, compare=False)
+    frames = 22 if name == "minimax-h3" else 9  # MiniMax H3: 17N+5 frames
+    report = plan_native(reduced.name, None, "v6e-8", height=64, width=64, frames=frames, layers=1, compare=False)
     step = report.step
     assert step.compiled, step.error
     assert report.fits and report.mesh == "dp=1,sp=1,tp=8"  # 8 heads on tp
-    if released.audio:  # six splash attentions a block: video self and text, audio self and text, a2v, v2a;
+    if name == "minimax-h3":  # one packed sequence: one splash attention a block (the token refiner runs once a
+        # sampling run, in a program of its own); Megatron's all-reduces, the adaLN split on its input; batch 1, a CFG
+        # step two calls of it
+        assert step.mosaic_kernels == 1 and step.all_gathers == 0 and step.all_reduces >= 3
+        assert report.time_bound.calls_per_step == 2 and "two calls a CFG step" in report.step.describe
+    elif released.audio:  # six splash attentions a block: video self and text, audio self and text, a2v, v2a;
         # Megatron's all-reduces (attention out and feed-forward out of both streams), no weight gathered
         assert step.mosaic_kernels == 6 and step.all_gathers == 0 and step.all_reduces >= 6
     else:  # the joint attention of the double block, the text refiner's two blocks; the modulations split on
         # their input: no collective-permute (split on their output, the modulation vector's parts moved around)
         assert step.mosaic_kernels == 3 and step.all_reduces >= 2 and step.collective_permutes == 0
-    assert "LTX-2" in report.rules or "HunyuanVideo" in report.rules
+    assert any(name in report.rules for name in ("LTX-2", "HunyuanVideo", "MiniMax H3"))
     assert "FITS" in format_native_report(report)
 
 

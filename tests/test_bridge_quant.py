@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from comfy_native import comfyui_session, load_pack, relative, versions_param
+from tpu_runtime.bridge.tiny import quantize, save_quantized  # noqa: F401 - ComfyUI's own layouts
 
 pytestmark = pytest.mark.comfy_versions("0.33")
 
@@ -30,39 +31,6 @@ def pack(request):
 
 
 # --- files as ComfyUI writes them ---------------------------------------------------------------------------------
-def quantize(weight: torch.Tensor, fmt: str, **conf) -> tuple[dict, dict]:
-    """A weight as ComfyUI's quantizer stores it for format ``fmt`` (a key of its QUANT_ALGOS): the tensors by key
-    suffix ("weight", "weight_scale", "weight_scale_2") and the layer's ``comfy_quant`` entry."""
-    from comfy.quant_ops import QUANT_ALGOS, QuantizedTensor
-
-    options = {"scale": "recalculate"} if fmt.startswith("float8") or fmt == "nvfp4" else {}
-    if conf.get("convrot"):  # ConvRot: the weight rotated, then quantized per output row
-        options.update(per_channel=True, convrot=True, convrot_groupsize=conf["convrot_groupsize"])
-    q = QuantizedTensor.from_float(weight, QUANT_ALGOS[fmt]["comfy_tensor_layout"], **options)
-    tensors = {k: v.view(torch.uint8) if v.dtype == torch.float8_e8m0fnu else v  # e8m0 scales stored as their bytes
-               for k, v in q.state_dict("weight").items()}
-    return tensors, {"format": fmt, **conf}
-
-
-def save_quantized(state: dict, path, formats, prefix: str = "", extra: dict | None = None):
-    """``state`` (float weights) saved with the linear weights ``formats(name)`` names quantized: (fmt, conf) or
-    None to keep a weight as it is."""
-    from safetensors.torch import save_file
-
-    out, layers = dict(extra or {}), {}
-    for key, value in state.items():
-        chosen = formats(key) if key.endswith(".weight") and value.ndim == 2 else None
-        if chosen is None:
-            out[prefix + key] = value
-            continue
-        layer = prefix + key[: -len(".weight")]
-        tensors, layers[layer] = quantize(value, *chosen[:1], **chosen[1])
-        out.update({f"{layer}.{suffix}": tensor for suffix, tensor in tensors.items()})
-    save_file(out, str(path), metadata={"_quantization_metadata": json.dumps({"format_version": "1.0",
-                                                                               "layers": layers})})
-    return path
-
-
 def save_scaled_fp8(state: dict, path, chosen, prefix: str = "", extra: dict | None = None):
     """The legacy ``*_fp8_scaled`` file: the ``chosen(name)`` weights float8_e4m3fn with a per-layer
     ``scale_weight``, and the ``scaled_fp8`` marker."""
@@ -570,18 +538,27 @@ def tpu(pack, model, **inputs):
 
 def test_auto_computes_quantized_files_in_bfloat16_and_says_so(pack, wan_files, caplog):
     """compute_dtype auto: a quantized file (which ComfyUI with --cpu reports as float32 and computes in float32)
-    computes in bfloat16, as ComfyUI does on an accelerator; the node logs one line per model with the class, how
-    its weights are stored, the dtype, why, and how ComfyUI's own run here differs. ``as loaded`` keeps float32."""
+    computes in bfloat16 on a TPU, as ComfyUI does on an accelerator; the node logs one line per model with the class,
+    how its weights are stored, the dtype, why, and how ComfyUI's own run here differs. On the runtime's CPU backend
+    (this machine's) auto keeps ComfyUI's float32, and so does ``as loaded`` everywhere."""
     from comfy_native import load
+
+    from tpu_runtime.bridge.comfy import KEEP_CAST, compute_dtype_patch
 
     model = load(wan_files["int8"])
     assert model.model.manual_cast_dtype == torch.float32  # what ComfyUI chose under --cpu
     with caplog.at_level(logging.INFO, logger="tpu_runtime.bridge.comfy"):
-        on_tpu = tpu(pack, model)
-    assert on_tpu.object_patches["manual_cast_dtype"] == torch.bfloat16
+        assert compute_dtype_patch(model.model, "auto", backend="tpu") == torch.bfloat16
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("WanModel: weights")]
     assert "TensorWiseINT8Layout (int8)" in line and "computing in bfloat16" in line
     assert "ComfyUI's own run on this host computes float32" in line
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tpu_runtime.bridge.comfy"):
+        on_tpu = tpu(pack, model)  # this runtime's backend is the CPU: ComfyUI's own choice stays
+    assert "manual_cast_dtype" not in on_tpu.object_patches
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("WanModel: weights")]
+    assert "computing in float32" in line and "on the CPU backend" in line
+    assert compute_dtype_patch(model.model, "auto", backend="cpu") is KEEP_CAST
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="tpu_runtime.bridge.comfy"):
         exact = tpu(pack, model, compute_dtype="as loaded")
@@ -686,8 +663,8 @@ def test_lora_on_a_quantized_wan_reaches_the_devices(pack, wan_files, where):
     assert relative(unpatched, plain) < TOL
 
 
-def test_auto_bfloat16_matches_comfyuis_bfloat16_run(pack, wan_files):
-    """compute_dtype auto on a quantized file computes in bfloat16 what ComfyUI computes for it in bfloat16 (its run
+def test_auto_bfloat16_matches_comfyuis_bfloat16_run(pack, wan_files, monkeypatch):
+    """compute_dtype auto on a quantized file computes on a TPU in bfloat16 what ComfyUI computes for it in bfloat16 (its run
     with the compute dtype set to bfloat16, sampled just before: that clone's object patch is still on the shared
     model when the node is applied). Two bfloat16 runs round differently (XLA keeps some intermediates in float32
     that torch rounds), so one model call's result lies within bfloat16's rounding of ComfyUI's, as far from it as
@@ -700,7 +677,12 @@ def test_auto_bfloat16_matches_comfyuis_bfloat16_run(pack, wan_files):
     as_gpu = model.clone()
     as_gpu.add_object_patch("manual_cast_dtype", torch.bfloat16)
     reference = sample(as_gpu, LATENT, positive, negative, steps=1)
-    ours = sample(tpu(pack, model), LATENT, positive, negative, steps=1)
+    from tpu_runtime.engine.runtime import get_runtime
+
+    monkeypatch.setattr(get_runtime(), "backend", "tpu")  # auto chooses as on a TPU; the program runs here
+    on_tpu = tpu(pack, model)
+    monkeypatch.undo()
+    ours = sample(on_tpu, LATENT, positive, negative, steps=1)
     rounding = relative(reference, in_float32)
     assert relative(ours, reference) < 2 * rounding and relative(ours, in_float32) > 0.2 * rounding
 

@@ -153,7 +153,7 @@ def test_every_option_of_every_command_has_help():
     from tpu_runtime.tools.cli import build_parser
 
     commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
-    assert set(commands) == {"generate", "demo", "bench", "plan", "worker"}
+    assert set(commands) == {"generate", "demo", "bench", "plan", "worker", "cache"}
     for name, parser in commands.items():
         assert parser.allow_abbrev is False, name
         bare = [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]

@@ -87,7 +87,7 @@ def test_the_nodes_come_from_the_toy_declaration(toy, toy_model):
     assert m["TPUToyLoader"].RETURN_TYPES == ("TPU_TOY_MODEL",) and m["TPUToyLoader"].CATEGORY == "TPU video/Toy"
     (model,) = m["TPUToyLoader"]().load("", "float32", model_path=str(toy_model))
     (embeds,) = m["TPUToyTextEncode"]().encode(model, "a cat walks on the grass", "")
-    (latent,) = m["TPUToySampler"]().sample(model, embeds, width=16, height=16, frames=5, steps=3, guidance=1.0,
+    (latent,) = m["TPUToySampler"]().sample(model, embeds, width=16, height=16, length=5, steps=3, cfg=1.0,
                                             seed=1, scheduler="model default")
     (image,) = m["TPUToyDecode"]().decode(model, latent)
     assert image.shape == (5, 16, 16, 3)

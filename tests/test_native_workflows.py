@@ -9,12 +9,14 @@ import asyncio
 import json
 
 import pytest
-from comfy_native import COMFYUI_TREES, ROOT, comfyui_session, load_pack
+from comfy_native import COMFYUI_TREES, comfyui_session, load_pack
+from workflow_files import uses_bridge_nodes, workflows
 
-NATIVE = sorted((ROOT / "workflows").glob("native_*.json"))
+NATIVE = [p for p in workflows() if uses_bridge_nodes(p)]
 # workflow -> the ComfyUI version that first has its nodes (LTX-2, HunyuanVideo 1.5: 0.33)
-SINCE = {"native_ltx2_t2v_tpu.json": "0.33", "native_ltx2_i2v_tpu.json": "0.33",
-         "native_hunyuan_video_1.5_t2v_tpu.json": "0.33"}
+SINCE = {"18 LTX-2 text to video with sound - ComfyUI nodes.json": "0.33",
+         "19 LTX-2 image to video with sound - ComfyUI nodes.json": "0.33",
+         "20 HunyuanVideo 1.5 text to video - ComfyUI nodes.json": "0.33"}
 FILE_INPUTS = {"unet_name", "clip_name", "clip_name1", "clip_name2", "vae_name", "ckpt_name", "lora_name", "image",
                "text_encoder"}
 WIDGETS = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
@@ -59,11 +61,12 @@ def definitions():
 
 def test_there_are_native_workflows_for_the_families_people_run():
     names = {p.name for p in NATIVE}
-    pictured = ("native_wan2.1_t2v_1.3B_tpu.json", "native_wan2.2_t2v_a14b_tpu.json", "native_wan2.1_vace_14B_tpu.json",
-                "native_hunyuan_video_t2v_tpu.json", "native_ltxv_t2v_tpu.json")
-    for expected in pictured:
-        assert expected in names
-        assert (ROOT / "workflows" / expected.replace(".json", ".png")).is_file()  # its picture
+    expected = ("13 Wan 2.1 1.3B text to video - ComfyUI nodes.json",
+                "07 Wan 2.2 14B text to video - ComfyUI nodes.json",
+                "14 Wan 2.1 VACE 14B reference to video - ComfyUI nodes.json",
+                "21 HunyuanVideo text to video - ComfyUI nodes.json",
+                "22 LTX-Video 2B text to video - ComfyUI nodes.json")
+    assert set(expected) <= names
     assert set(SINCE) <= names  # LTX-2 with sound (text and image to video), HunyuanVideo 1.5
 
 

@@ -14,7 +14,7 @@ from tpu_runtime.errors import Interrupted
 EXPECTED = {
     "TPUCogVideoXLoader": ("TPU_COGVIDEOX_MODEL",),
     "TPUCogVideoXTextEncode": ("TPU_COGVIDEOX_EMBEDS",),
-    "TPUCogVideoXImageEncode": ("TPU_COGVIDEOX_IMAGE",),
+    "TPUCogVideoXImageEncode": ("TPU_COGVIDEOX_IMAGE", "INT", "INT", "INT"),
     "TPUCogVideoXLoRA": ("TPU_COGVIDEOX_MODEL",),
     "TPUCogVideoXStepCache": ("TPU_COGVIDEOX_MODEL",),
     "TPUCogVideoXSampler": ("LATENT",),
@@ -22,7 +22,7 @@ EXPECTED = {
     "TPUWanLoader": ("TPU_WAN_MODEL",),
     "TPUWanModelFilesLoader": ("TPU_WAN_MODEL",),
     "TPUWanTextEncode": ("TPU_WAN_EMBEDS",),
-    "TPUWanImageEncode": ("TPU_WAN_IMAGE",),
+    "TPUWanImageEncode": ("TPU_WAN_IMAGE", "INT", "INT", "INT"),
     "TPUWanLoRA": ("TPU_WAN_MODEL",),
     "TPUWanStepCache": ("TPU_WAN_MODEL",),
     "TPUWanSampler": ("LATENT",),
@@ -30,7 +30,7 @@ EXPECTED = {
     "TPULTX2Loader": ("TPU_LTX2_MODEL",),
     "TPULTX2ModelFilesLoader": ("TPU_LTX2_MODEL",),
     "TPULTX2TextEncode": ("TPU_LTX2_EMBEDS",),
-    "TPULTX2ImageEncode": ("TPU_LTX2_IMAGE",),
+    "TPULTX2ImageEncode": ("TPU_LTX2_IMAGE", "INT", "INT", "INT"),
     "TPULTX2LoRA": ("TPU_LTX2_MODEL",),
     "TPULTX2Sampler": ("LATENT",),
     "TPULTX2Upsample": ("LATENT",),
@@ -38,7 +38,7 @@ EXPECTED = {
 }
 # The native bridge's nodes: ComfyUI's own models on the runtime, ComfyUI's own types in and out.
 BRIDGE = {"TPUDiffusionModel": ("MODEL",), "TPUVAE": ("VAE",), "TPUTextEncoder": ("CLIP",),
-          "TPUCLIPVision": ("CLIP_VISION",)}
+          "TPUCLIPVision": ("CLIP_VISION",), "TPUAudioEncoder": ("AUDIO_ENCODER",)}
 EXPECTED.update(BRIDGE)
 CATEGORIES = {"Wan": "TPU video/Wan", "CogVideoX": "TPU video/CogVideoX", "LTX2": "TPU video/LTX-2"}
 
@@ -61,7 +61,7 @@ def test_pack_registers_nodes(pack):
         assert cls.RETURN_TYPES == EXPECTED[key]
         if key in BRIDGE:
             assert cls.CATEGORY == "TPU video" and pack.NODE_DISPLAY_NAME_MAPPINGS[key].startswith("TPU ")
-            assert set(cls.INPUT_TYPES()["required"]) == {BRIDGE[key][0].lower()}  # model, vae, clip, clip_vision
+            assert set(cls.INPUT_TYPES()["required"]) == {BRIDGE[key][0].lower()}  # model, vae, clip, clip_vision, audio_encoder
             continue
         assert cls.CATEGORY == next(c for name, c in CATEGORIES.items() if key.startswith(f"TPU{name}"))
         assert callable(getattr(cls, cls.FUNCTION))
@@ -92,7 +92,7 @@ def _run_chain(pack, model_dir, steps=3, seed=4, **sampler_overrides):
     m = pack.NODE_CLASS_MAPPINGS
     (model,) = m["TPUCogVideoXLoader"]().load("", "float32", model_path=str(model_dir))
     (embeds,) = m["TPUCogVideoXTextEncode"]().encode(model, PROMPT, NEGATIVE)
-    kwargs = dict(width=96, height=64, frames=9, steps=steps, guidance=6.0, seed=seed, scheduler="model default",
+    kwargs = dict(width=96, height=64, length=9, steps=steps, cfg=6.0, seed=seed, scheduler="model default",
                   dynamic_cfg=False)
     kwargs.update(sampler_overrides)
     (latent,) = m["TPUCogVideoXSampler"]().sample(model, embeds, **kwargs)
@@ -270,8 +270,7 @@ def test_nodes_run_under_comfy_inference_mode(pack, tiny_models, tiny_wan):
 def _wan_chain(pack, loaded, steps=3, seed=4, **sampler):
     m = pack.NODE_CLASS_MAPPINGS
     (embeds,) = m["TPUWanTextEncode"]().encode(loaded, PROMPT, NEGATIVE)
-    kwargs = dict(width=64, height=64, frames=9, steps=steps, guidance=5.0, seed=seed, scheduler="model default",
-                  shift=0.0)
+    kwargs = dict(width=64, height=64, length=9, steps=steps, cfg=5.0, seed=seed, scheduler="model default")
     kwargs.update(sampler)
     (latent,) = m["TPUWanSampler"]().sample(loaded, embeds, **kwargs)
     (image,) = m["TPUWanDecode"]().decode(loaded, latent)
@@ -308,7 +307,7 @@ def test_wan_files_loader_lists_comfy_folders_and_matches_diffusers(pack, tiny_w
     (model,) = loader().load(high, files["text_encoder"].name, files["vae"].name, "float32",
                              diffusion_model_2=low)
     assert model.two_experts
-    _, image = _wan_chain(pack, model, steps=5, guidance=4.0, guidance_2=2.0)
+    _, image = _wan_chain(pack, model, steps=5, cfg=4.0, cfg_2=2.0)
     ref = wan_frames(tiny_wan["2.2-A14B"], PROMPT, NEGATIVE, 64, 64, 9, 5, 4.0, 4, guidance_2=2.0)
     assert np.abs(image.numpy() - ref).max() < 1e-4
 
@@ -317,10 +316,10 @@ def test_wan_nodes_refuse_what_the_model_does_not_have(pack, tiny_wan):
     from tpu_runtime.errors import InputError
 
     (model,) = pack.NODE_CLASS_MAPPINGS["TPUWanLoader"]().load("", "float32", model_path=str(tiny_wan["2.1"]))
-    with pytest.raises(InputError, match="guidance_2=3.0 applies only to two-expert"):
-        _wan_chain(pack, model, guidance_2=3.0)
-    with pytest.raises(InputError, match="frames=10 must be 4"):
-        _wan_chain(pack, model, frames=10)
+    with pytest.raises(InputError, match="cfg_2=3.0 applies only to two-expert.*leave cfg_2 unset"):
+        _wan_chain(pack, model, cfg_2=3.0)
+    with pytest.raises(InputError, match=r"length=10 must be 4\*N\+1 for Wan 2.1 \(nearest: 9 or 13"):
+        _wan_chain(pack, model, length=10)
 
 
 def test_wan_interrupt_stops_between_steps(pack, tiny_wan):
@@ -423,7 +422,7 @@ def test_step_cache_node_runs_the_sampler_cached_with_progress_and_cancel(pack, 
     inputs = node.INPUT_TYPES()
     assert inputs["required"]["method"][0] == ["magcache", "first-block"]
     ratios = "1.0, 0.99, 0.99, 0.99, 0.99, 0.99, 0.99, 0.99"
-    (cached,) = node().apply(model, "magcache", -1.0, 3, 0.2, mag_ratios=ratios)
+    (cached,) = node().apply(model, "magcache", 0.06, 3, 0.2, mag_ratios=ratios)
     latent, image = _wan_chain(pack, cached, steps=8)
     assert ticks == list(range(1, 9))
     config = MagCacheConfig(num_inference_steps=8, mag_ratios=[float(r) for r in ratios.split(",")])
@@ -444,17 +443,17 @@ def test_step_cache_node_runs_the_sampler_cached_with_progress_and_cancel(pack, 
     assert ticks == [1, 2, 3]
     cancel["after"] = None
 
-    (calibrating,) = node().apply(model, "magcache", -1.0, 3, 0.2, calibrate=True)
+    (calibrating,) = node().apply(model, "magcache", 0.06, 3, 0.2, calibrate=True)
     _wan_chain(pack, calibrating, steps=4)
     written = list((fake_comfy_folders[0].parent / "output").glob("mag_ratios_*.json"))
     assert len(written) == 1 and len(json.loads(written[0].read_text())) == 4
 
     with pytest.raises(InputError, match="no published MagCache ratios"):
-        node().apply(model, "magcache", -1.0, 3, 0.2)
+        node().apply(model, "magcache", 0.06, 3, 0.2)
     with pytest.raises(InputError, match="calibrate: MagCache's"):
-        node().apply(model, "first-block", -1.0, 3, 0.2, calibrate=True)
+        node().apply(model, "first-block", 0.05, 3, 0.2, calibrate=True)
     with pytest.raises(InputError, match="mag_ratios"):
-        node().apply(model, "magcache", -1.0, 3, 0.2, mag_ratios="1.0, x")
+        node().apply(model, "magcache", 0.06, 3, 0.2, mag_ratios="1.0, x")
 
 
 # --- image-to-video ------------------------------------------------------------------------------------------------
@@ -474,8 +473,8 @@ def test_flf2v_nodes_from_comfy_images_match_diffusers(pack, i2v_models, images)
     m = pack.NODE_CLASS_MAPPINGS
     with torch.inference_mode():
         (model,) = m["TPUWanLoader"]().load("", "float32", model_path=str(i2v_models["wan-flf2v"]))
-        (cond,) = m["TPUWanImageEncode"]().encode(model, _comfy_image(images["first"]), 64, 64, 9,
-                                                  last_image=_comfy_image(images["last"]))
+        cond, *_ = m["TPUWanImageEncode"]().encode(model, _comfy_image(images["first"]), 64, 64, 9,
+                                                   last_image=_comfy_image(images["last"]))
         _, image = _wan_chain(pack, model, image_cond=cond)
     ref = wan_i2v_frames(i2v_models["wan-flf2v"], images["first"], images["last"], PROMPT, NEGATIVE, 64, 64, 9, 3,
                          5.0, 4)
@@ -494,12 +493,14 @@ def test_image_nodes_refuse_what_does_not_fit(pack, tiny_models, i2v_models, ima
     with pytest.raises(InputError, match="takes only a first image: drop last_image"):
         m["TPUCogVideoXImageEncode"]().encode(i2v, picture, 64, 64, 9, last_image=picture)
     (embeds,) = m["TPUCogVideoXTextEncode"]().encode(i2v, PROMPT, NEGATIVE)
-    sample = dict(steps=2, guidance=6.0, seed=1, scheduler="model default", dynamic_cfg=False)
+    sample = dict(steps=2, cfg=6.0, seed=1, scheduler="model default", dynamic_cfg=False)
     with pytest.raises(InputError, match="image-to-video model: encode the first frame"):
-        m["TPUCogVideoXSampler"]().sample(i2v, embeds, width=64, height=64, frames=9, **sample)
-    (cond,) = m["TPUCogVideoXImageEncode"]().encode(i2v, picture, 64, 64, 9)
-    with pytest.raises(InputError, match="the image was encoded for 9 frames of 64x64"):
-        m["TPUCogVideoXSampler"]().sample(i2v, embeds, width=64, height=64, frames=17, image_cond=cond, **sample)
+        m["TPUCogVideoXSampler"]().sample(i2v, embeds, width=64, height=64, length=9, **sample)
+    cond, width, height, length = m["TPUCogVideoXImageEncode"]().encode(i2v, picture, 64, 64, 9)
+    assert (width, height, length) == (64, 64, 9)  # for the sampler's inputs of the same names
+    with pytest.raises(InputError, match="width x height x length = 64x64x17, but the image was encoded for 64x64x9: "
+                                         "connect the Image Encode's width, height and length outputs"):
+        m["TPUCogVideoXSampler"]().sample(i2v, embeds, width=64, height=64, length=17, image_cond=cond, **sample)
 
 
 

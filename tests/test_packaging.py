@@ -3,6 +3,7 @@ with the pack, ``[project.urls]``), and requirements.txt the same as the project
 pack never replaces the torch a ComfyUI install has). The registry's own validation (``comfy node validate``) runs
 in the CI script."""
 
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -34,7 +35,101 @@ def test_requirements_are_the_dependencies_without_torch():
     requirements = names((ROOT / "requirements.txt").read_text().splitlines())
     assert "torch" in dependencies and "torch" not in requirements
     assert requirements == dependencies - {"torch"}
-    assert Path(ROOT / "pyproject.toml").read_text().count('"torch>=') == 1  # never a pin that replaces torch
+    assert '"torch"' in _pyproject_text() and '"torch>' not in _pyproject_text()  # no version: any torch satisfies it
+
+
+def _pyproject_text() -> str:
+    return (ROOT / "pyproject.toml").read_text()
+
+
+def test_the_registry_reads_the_comfyui_versions_classifiers_links_and_license():
+    """What the Comfy Registry reads (comfy-cli's pyproject parser): ``requires-comfyui`` in ``[tool.comfy]`` from the
+    oldest tested ComfyUI, its OS and accelerator classifiers (it drops them all for one it does not know), the link
+    names it reads, and a LICENSE file holding the Apache 2.0 text the project declares."""
+    project, comfy = _pyproject()["project"], _pyproject()["tool"]["comfy"]
+    assert comfy["requires-comfyui"] == ">=0.3.64"
+    assert re.fullmatch(r"(==|>=|<=|!=|~=|>|<)?\d+\.\d+\.\d+", comfy["requires-comfyui"])  # the registry's pattern
+    registry_os = ("Microsoft", "POSIX", "MacOS", "OS Independent")
+    registry_accelerators = {"GPU :: NVIDIA CUDA", "GPU :: AMD ROCm", "GPU :: Intel Arc", "NPU :: Huawei Ascend",
+                             "GPU :: Apple Metal"}
+    classifiers = project["classifiers"]
+    systems = [c.removeprefix("Operating System :: ") for c in classifiers if c.startswith("Operating System :: ")]
+    accelerators = [c.removeprefix("Environment :: ") for c in classifiers if c.startswith("Environment ::")]
+    assert systems == ["POSIX :: Linux"] and all(s.startswith(registry_os) for s in systems)
+    assert accelerators == ["GPU :: NVIDIA CUDA"] and set(accelerators) <= registry_accelerators
+    assert set(project["urls"]) == {"Homepage", "Repository", "Documentation", "Issues"}
+    assert project["urls"]["Issues"] == project["urls"]["Repository"] + "/issues"
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"] and "END OF TERMS AND CONDITIONS" in text
+    assert len(text.splitlines()) > 170  # the whole license, its 9 sections
+
+
+# --- installing the pack never changes the torch a Python has --------------------------------------------------------
+def _wheel(folder: Path, name: str, version: str, requires=()) -> None:
+    """A minimal wheel of distribution ``name`` ``version`` requiring ``requires`` (a stand-in: no code)."""
+    import zipfile
+
+    stem = f"{re.sub(r'[-.]+', '_', name)}-{version}"
+    info = f"{stem}.dist-info"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in requires)
+    files = {f"{info}/METADATA": metadata, f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: "
+             "true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{n},,\n" for n in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(folder / f"{stem}-py3-none-any.whl", "w") as archive:
+        for path, content in files.items():
+            archive.writestr(path, content)
+
+
+def _lowest(specifier) -> str:
+    """The lowest version a specifier names (``>=0.42.1,<0.43``: 0.42.1), or 1.0."""
+    bounds = [s.version for s in specifier if s.operator in (">=", "==", "~=")]
+    return min(bounds, key=lambda v: tuple(int(p) for p in re.findall(r"\d+", v))) if bounds else "1.0"
+
+
+def test_installing_the_pack_never_changes_an_installed_torch(tmp_path):
+    """A Python holding another torch build (a stand-in torch 2.4.0, as ComfyUI's own could be) and an index offering
+    torch 2.11.0: pip's resolution of the pack with its declared dependencies (every one a stand-in wheel on that
+    index) installs the pack and its libraries and leaves torch as it is. The same resolution with a versioned
+    requirement (``torch>=2.5``) would replace it: the check can fail."""
+    import subprocess
+    import sys
+
+    from packaging.requirements import Requirement
+
+    wheels = tmp_path / "index"
+    wheels.mkdir()
+    dependencies = _pyproject()["project"]["dependencies"]
+    for line in dependencies:
+        requirement = Requirement(line)
+        if requirement.name != "torch":
+            _wheel(wheels, requirement.name, _lowest(requirement.specifier))
+    _wheel(wheels, "torch", "2.11.0")
+    python = tmp_path / "comfyui-python"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(python)], check=True, timeout=120)
+    site = next((python / "lib").glob("python3*/site-packages"))
+    installed = site / "torch-2.4.0.dist-info"
+    installed.mkdir()
+    (installed / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.4.0\n")
+    (installed / "RECORD").write_text("")
+
+    def resolve(torch_requirement: str) -> dict:
+        _wheel(wheels, "tpu-video-nodes", "0.1.0",
+               [torch_requirement] + [d for d in dependencies if Requirement(d).name != "torch"])
+        report = tmp_path / "report.json"
+        out = subprocess.run([sys.executable, "-m", "pip", "--python", str(python / "bin" / "python"), "install",
+                              "--dry-run", "--quiet", "--report", str(report), "--no-index", "--find-links",
+                              str(wheels), "tpu-video-nodes"], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return {item["metadata"]["name"]: item["metadata"]["version"]
+                for item in json.loads(report.read_text())["install"]}
+
+    [torch_line] = [d for d in dependencies if Requirement(d).name == "torch"]
+    chosen = resolve(torch_line)
+    assert "torch" not in chosen, chosen
+    assert chosen["tpu-video-nodes"] == "0.1.0" and {"torchax", "jax", "diffusers"} <= set(chosen), chosen
+    assert resolve("torch>=2.5")["torch"] == "2.11.0"  # a version in the requirement would have replaced it
 
 
 # --- the test environment: the README's commands, CI's script, both ComfyUI trees -------------------------------------
@@ -112,3 +207,37 @@ def test_the_test_extra_installs_what_each_comfyui_tree_requires():
     for name, pins in frontend_pins.items():
         assert str(extra[name].specifier) in pins, (name, extra[name], pins)
         assert extra[name].specifier.contains(version(name)), (name, version(name))
+
+
+# --- which slice each model needs: the docs' table, made only of numbers docs/plan.md has ---------------------------
+def _slice_rows(path: Path) -> list[list[str]]:
+    """The rows of the slice table in ``path`` (between its ``slice-table`` markers), as lists of cells."""
+    text = path.read_text()
+    table = text.split("<!-- slice-table", 1)[1].split("<!-- /slice-table -->", 1)[0]
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")]
+            for line in table.splitlines() if line.startswith("| ")]
+    return rows[1:]  # the header out; the |---| line does not start with "| "
+
+
+def test_the_slice_tables_are_rows_plan_measured():
+    """README's table is rows of docs/tpu-vm.md's; every figure in them (GiB per chip, the lower bound of a step) is
+    one docs/plan.md gives, and every row's command is a plan command the CLI takes, for a model it knows."""
+    from tpu_runtime.bridge.architectures import ARCHITECTURES
+    from tpu_runtime.families import registry
+    from tpu_runtime.tools.cli import build_parser
+
+    full, readme = _slice_rows(ROOT / "docs" / "tpu-vm.md"), _slice_rows(ROOT / "README.md")
+    assert len(full) >= 15 and len(readme) >= 6
+    assert all(row in full for row in readme), [row for row in readme if row not in full]
+    plan_text = (ROOT / "docs" / "plan.md").read_text()
+    parser = build_parser()
+    for model, size, slice_, fits, memory, bound, command in full:
+        for number in re.findall(r"\d+\.\d+", memory) + re.findall(r"\d+\.\d+ s", bound):
+            assert number in plan_text, (model, slice_, number)
+        assert re.search(r"\d+\.\d+", memory) or memory == "not recorded", (model, slice_)
+        assert bound == "not planned" or re.fullmatch(r"\d+\.\d+ s", bound), (model, slice_, bound)
+        argv = command.split("`")[1].split()
+        args = parser.parse_args(argv)
+        assert args.command == "plan" and slice_ in args.topology.split(","), (model, command)
+        assert args.model in registry.known_models() or args.comfy_model in ARCHITECTURES, command
+        assert size.count("×") == 2 and fits.split()[0].rstrip(";:") in ("yes", "no", "not"), (model, fits)

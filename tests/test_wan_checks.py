@@ -20,20 +20,22 @@ from tpu_runtime.families.wan.model import WanFamily
 H, W, F = WAN_SIZE
 
 
-def _cli(model, out, cache_dir, steps):
+def _cli(model, out, cache_dir, steps, **env):
     cmd = [sys.executable, "-m", "tpu_runtime", "generate", "--model", str(model), "--prompt", "a cat",
            "--height", "32", "--width", "64", "--frames", "5", "--steps", str(steps), "--dtype", "float32",
            "--output-dir", str(out), "--cache-dir", str(cache_dir)]
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=subprocess_env(**env), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "generation_config.json").read_text())["timings"]["all"]
 
 
 def test_two_expert_sampler_compiles_the_same_for_3_and_6_steps(tiny_wan, tmp_path):
     """A fresh cache compiles everything for 3 steps; a second process with 6 steps (the experts switch at another
-    step) on that cache needs exactly those programs, every one loaded, none compiled."""
-    three = _cli(tiny_wan["2.2-A14B"], tmp_path / "three", tmp_path / "cache", 3)
-    six = _cli(tiny_wan["2.2-A14B"], tmp_path / "six", tmp_path / "cache", 6)
+    step) on that cache needs exactly those programs, every one loaded from the persistent XLA cache, none compiled
+    (saved programs off: the XLA cache alone; test_compiles_and_cache.py has them on)."""
+    off = {"TPU_VIDEO_PROGRAM_CACHE_GB": 0}
+    three = _cli(tiny_wan["2.2-A14B"], tmp_path / "three", tmp_path / "cache", 3, **off)
+    six = _cli(tiny_wan["2.2-A14B"], tmp_path / "six", tmp_path / "cache", 6, **off)
     assert three["persistent_cache_hits_total"] == 0 and three["xla_compiles"]["sample"] >= 1  # a fresh cache
     assert six["xla_compiles_total"] == 0
     assert six["persistent_cache_hits"]["sample"] == three["xla_compiles"]["sample"]

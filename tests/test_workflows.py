@@ -9,24 +9,34 @@ import numpy as np
 import pytest
 import torch
 from conftest import I2V_SIZES, LTX2_SIZE, ROOT, SIZES
+from workflow_files import uses_bridge_nodes
 
 from tpu_runtime.families.ltx2.tiny import build_tiny_lora as build_ltx2_lora
 from comfy_files import export_wan_files as export_comfy_files
 from tpu_runtime.families.wan.tiny import build_tiny_lora
 from tpu_runtime.tools.video import read_mp4, write_mp4, write_wav
 
-# The families' workflows (the native bridge's, ComfyUI's own graphs, are test_native_workflows.py's)
-WORKFLOWS = sorted(p for p in (ROOT / "workflows").glob("*.json") if not p.name.startswith("native_"))
-GENERATION = {"cogvideox_2b_t2v_tpu.json": "2b", "cogvideox_5b_t2v_tpu.json": "5b",
-              "cogvideox1.5_5b_t2v_tpu.json": "1.5", "wan2.1_t2v_1.3B_tpu.json": "wan-2.1-1.3B",
-              "wan2.1_t2v_14B_tpu.json": "wan-2.1-14B", "wan2.2_t2v_a14b_tpu.json": "wan-2.2-A14B",
-              "wan2.2_t2v_a14b_lightx2v_4steps_tpu.json": "wan-2.2-A14B", "wan2.2_ti2v_5b_tpu.json": "wan-2.2-TI2V-5B",
-              "wan2.2_t2v_a14b_magcache_tpu.json": "wan-2.2-A14B",
-              "cogvideox_5b_i2v_tpu.json": "5b-I2V", "cogvideox1.5_5b_i2v_tpu.json": "1.5-I2V",
-              "wan2.1_i2v_480p_14B_tpu.json": "wan-2.1-I2V-480P", "wan2.1_i2v_720p_14B_tpu.json": "wan-2.1-I2V-720P",
-              "wan2.1_flf2v_720p_14B_tpu.json": "wan-2.1-FLF2V", "wan2.2_i2v_a14b_tpu.json": "wan-2.2-I2V-A14B",
-              "wan2.2_ti2v_5b_i2v_tpu.json": "wan-2.2-TI2V-5B",
-              "ltx2_t2v_two_stage_tpu.json": "ltx-2", "ltx2_i2v_tpu.json": "ltx-2", "ltx2_t2v_tpu.json": "ltx-2"}
+# The families' workflows (the native bridge's, ComfyUI's own graphs with the TPU nodes, are
+# test_native_workflows.py's)
+WORKFLOWS = sorted(p for p in (ROOT / "workflows").glob("*.json") if not uses_bridge_nodes(p))
+GENERATION = {"27 CogVideoX 2B text to video.json": "2b", "23 CogVideoX 5B text to video.json": "5b",
+              "24 CogVideoX 1.5 5B text to video.json": "1.5",
+              "09 Wan 2.1 1.3B text to video.json": "wan-2.1-1.3B",
+              "08 Wan 2.1 14B text to video.json": "wan-2.1-14B",
+              "01 Wan 2.2 14B text to video.json": "wan-2.2-A14B",
+              "02 Wan 2.2 14B text to video in 4 steps.json": "wan-2.2-A14B",
+              "05 Wan 2.2 5B text to video.json": "wan-2.2-TI2V-5B",
+              "03 Wan 2.2 14B text to video with MagCache.json": "wan-2.2-A14B",
+              "25 CogVideoX 5B image to video.json": "5b-I2V",
+              "26 CogVideoX 1.5 5B image to video.json": "1.5-I2V",
+              "10 Wan 2.1 14B image to video 480p.json": "wan-2.1-I2V-480P",
+              "11 Wan 2.1 14B image to video 720p.json": "wan-2.1-I2V-720P",
+              "12 Wan 2.1 14B first and last frame to video.json": "wan-2.1-FLF2V",
+              "04 Wan 2.2 14B image to video.json": "wan-2.2-I2V-A14B",
+              "06 Wan 2.2 5B image to video.json": "wan-2.2-TI2V-5B",
+              "16 LTX-2 two-stage text to video with sound.json": "ltx-2",
+              "17 LTX-2 image to video with sound.json": "ltx-2",
+              "15 LTX-2 text to video with sound.json": "ltx-2"}
 NATIVE = {"2b": (720, 480, 49), "5b": (720, 480, 49), "1.5": (1360, 768, 81), "wan-2.1-1.3B": (832, 480, 81),
           "wan-2.1-14B": (1280, 720, 81), "wan-2.2-A14B": (1280, 720, 81), "wan-2.2-TI2V-5B": (1280, 704, 121),
           "5b-I2V": (720, 480, 49), "1.5-I2V": (1360, 768, 81), "wan-2.1-I2V-480P": (832, 480, 81),
@@ -39,7 +49,7 @@ TINY_I2V = {"5b-I2V": "cog-5b", "1.5-I2V": "cog-1.5", "wan-2.1-I2V-480P": "wan-i
 # LTX-2 (video with sound; text or image to video in one model): conftest's tiny_ltx2 of the same generation.
 TINY_LTX2 = {"ltx-2": "2.0"}
 # Workflows that start from a picture with a model that also makes video from text alone.
-IMAGE_WORKFLOWS = ("wan2.2_ti2v_5b_i2v_tpu.json", "ltx2_i2v_tpu.json")
+IMAGE_WORKFLOWS = ("06 Wan 2.2 5B image to video.json", "17 LTX-2 image to video with sound.json")
 IMAGE_ENCODERS = ("TPUCogVideoXImageEncode", "TPUWanImageEncode", "TPULTX2ImageEncode")
 STEP_CACHES = ("TPUCogVideoXStepCache", "TPUWanStepCache")
 SAMPLERS = ("TPUCogVideoXSampler", "TPUWanSampler", "TPULTX2Sampler")
@@ -56,6 +66,7 @@ CORE_NODES = {
                                "format": (["auto", "mp4"],), "codec": (["auto", "h264"],)},
                   "optional": {}, "outputs": ()},
     "Note": {"required": {"text": ("STRING", {})}, "optional": {}, "outputs": ()},
+    "PrimitiveFloat": {"required": {"value": ("FLOAT", {})}, "optional": {}, "outputs": ("FLOAT",)},
     "LoadImage": {"required": {"image": (["example.png"], {"image_upload": True})}, "optional": {},
                   "outputs": ("IMAGE", "MASK")},
 }
@@ -77,7 +88,8 @@ def node_defs():
 
 
 def _is_widget(spec) -> bool:
-    return isinstance(spec[0], list) or spec[0] in WIDGET_TYPES
+    forced = len(spec) > 1 and (spec[1] or {}).get("forceInput")
+    return (isinstance(spec[0], list) or spec[0] in WIDGET_TYPES) and not forced
 
 
 def _widget_inputs(definition):
@@ -147,14 +159,14 @@ def test_workflow_fits_node_definitions(path, node_defs):
         first, _ = _source(wf, upsample, "samples")
         before, after = values[first["id"]], values[sampler["id"]]
         assert (after["width"], after["height"]) == (2 * before["width"], 2 * before["height"])
-        assert after["frames"] == before["frames"] and after["frame_rate"] == before["frame_rate"]
+        assert after["length"] == before["length"] and after["frame_rate"] == before["frame_rate"]
         assert (after["sigmas"], after["steps"]) == ("stage2", 3) and before["sigmas"] == "default"
     decoders = [n for n in wf["nodes"] if n["type"] in DECODERS]
     assert len(decoders) == 1
     final, _ = _source(wf, decoders[0], "samples")  # the sampler the decoder reads makes the native size
     assert final["type"] in SAMPLERS
     size = values[final["id"]]
-    assert (size["width"], size["height"], size["frames"]) == NATIVE[gen]
+    assert (size["width"], size["height"], size["length"]) == NATIVE[gen]
     create = next(n for n in wf["nodes"] if n["type"] == "CreateVideo")
     audio_out = [slot for slot, kind in enumerate(node_defs[decoders[0]["type"]]["outputs"]) if kind == "AUDIO"]
     if audio_out:  # the model's sound track goes into the video
@@ -165,9 +177,17 @@ def test_workflow_fits_node_definitions(path, node_defs):
     assert len(encoders) == (gen in TINY_I2V or path.name in IMAGE_WORKFLOWS)
     for encoder in encoders:  # encoded at the sampler's size, from ComfyUI's Load Image
         size = widget_values(encoder, node_defs[encoder["type"]])
-        assert (size["width"], size["height"], size["frames"]) == NATIVE[gen]
+        assert (size["width"], size["height"], size["length"]) == NATIVE[gen]
         image_link = encoder["inputs"][1]["link"]
         assert next(nodes[src]["type"] for lid, src, *_ in wf["links"] if lid == image_link) == "LoadImage"
+
+
+def _targets(wf, node, slot):
+    """The (node, input name) pairs ``node``'s output ``slot`` is linked into."""
+    nodes = {n["id"]: n for n in wf["nodes"]}
+    for _, src, src_slot, dst, dst_slot, _ in wf["links"]:
+        if src == node["id"] and src_slot == slot:
+            yield nodes[dst], nodes[dst]["inputs"][dst_slot]["name"]
 
 
 def _source(wf, node, input_name):
@@ -229,13 +249,16 @@ def test_workflow_runs_headlessly_on_a_tiny_model(path, node_defs, images, reque
                           vae=str(files["vae"]), dtype="float32",
                           diffusion_model_2=str(files.get("transformer_2", "none")),
                           clip_vision=str(files.get("clip_vision", "none")))
+        if kind == "PrimitiveFloat":  # ComfyUI's Float node: its value
+            results[node["id"]] = (kwargs["value"],)
+            continue
         if kind == "LoadImage":  # as ComfyUI's: [1, H, W, 3] float in 0..1, and a mask
             picture = images["first" if node["id"] == load_images[0] else "last"]
             pixels = torch.from_numpy(np.asarray(Image.open(picture).convert("RGB")).copy()).float()[None] / 255
             results[node["id"]] = (pixels, torch.zeros(pixels.shape[:3]))
             continue
         if kind in IMAGE_ENCODERS:
-            kwargs.update(width=width, height=height, frames=frames)
+            kwargs.update(width=width, height=height, length=frames)
         if kind == "TPUWanLoRA":  # a LoRA of the same format for the tiny model, for the expert it names
             expert = "transformer_2" if kwargs["expert"] == "low noise" else "transformer"
             tiny = request.getfixturevalue("tiny_wan")[TINY_WAN[gen]]
@@ -248,11 +271,12 @@ def test_workflow_runs_headlessly_on_a_tiny_model(path, node_defs, images, reque
             kwargs["mag_ratios"] = "1.0,0.99,0.99,0.99,0.99,0.99,0.99,0.99"
         if kind in SAMPLERS:
             cached = any(n["type"] in STEP_CACHES for n in wf["nodes"])
-            scale = kwargs["width"] // smallest["width"]
-            assert (kwargs["width"], kwargs["height"]) == (scale * smallest["width"], scale * smallest["height"])
+            own = widget_values(node, node_defs[kind])  # its size as saved (a linked input keeps its widget value)
+            scale = own["width"] // smallest["width"]
+            assert (own["width"], own["height"]) == (scale * smallest["width"], scale * smallest["height"])
             fixed = kwargs.get("sigmas") in FIXED_SIGMAS  # a schedule of its own number of steps: kept
             steps = kwargs["steps"] if fixed else min(kwargs["steps"], 8 if cached else 2)
-            kwargs.update(width=scale * width, height=scale * height, frames=frames, steps=steps)
+            kwargs.update(width=scale * width, height=scale * height, length=frames, steps=steps)
             sizes[node["id"]] = (frames, scale * height, scale * width)
         if kind == "CreateVideo":
             results[node["id"]] = ((kwargs["images"], kwargs["fps"], kwargs.get("audio")),)

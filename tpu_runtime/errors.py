@@ -23,3 +23,14 @@ class Interrupted(RuntimeError):
 
 class SliceError(RuntimeError):
     """A multi-host slice lost a process or fell out of step: the message names the host and what to restart."""
+
+
+class AcceleratorUnavailable(RuntimeError):
+    """The machine has a TPU (or one was asked for) but the runtime would run on the CPU: the message says why (libtpu
+    missing, the chips held by another process, mismatched releases, JAX's own error) and the fix. Not an
+    ``InputError``: nothing the user typed into a node is wrong, and no caller may fall back to the host on it."""
+
+
+class DeviceMemoryError(InputError):
+    """A part of a model did not fit the devices' memory: the message names the part, what it needed against what the
+    chips have, the mesh, and the fix (a larger slice, ``fsdp``, a smaller size, ``plan``)."""

@@ -13,8 +13,9 @@ app.registerExtension({
       options: ["as started", "all", "off", "model", "model,text", "model,vae", "model,text,vae"],
       defaultValue: "as started",
       tooltip:
-        "all: every diffusion model, text encoder, VAE and CLIP vision model that a loader loads runs on the TPU, " +
-        "as if TPU Diffusion Model, TPU Text Encoder, TPU VAE and TPU CLIP Vision stood after each loader. " +
+        "all: every diffusion model, text encoder, VAE, CLIP vision model and audio encoder that a loader loads runs " +
+        "on the TPU, as if TPU Diffusion Model, TPU Text Encoder, TPU VAE, TPU CLIP Vision and TPU Audio Encoder " +
+        "stood after each loader. " +
         "model / text / vae: only those parts. as started: what the server's TPU_VIDEO_AUTO says. " +
         "Takes effect at the next prompt.",
     },

@@ -43,6 +43,7 @@ class NativeArchitecture:
     # class's parameter dataclass ``params`` ("module:Class") has them
     later: tuple[tuple[str, object], ...] = ()
     params: str | None = None
+    batch_one: bool = False  # the model takes one prompt a call (a CFG step is two calls)
 
     def build(self, layers: int | None = None, dtype=torch.bfloat16) -> torch.nn.Module:
         """ComfyUI's class at this size, on ``meta`` (``layers``: a reduced depth for a quick check)."""
@@ -117,6 +118,42 @@ class NativeArchitecture:
 
 
 @dataclass(frozen=True)
+class PackedAVArchitecture(NativeArchitecture):
+    """MiniMax H3: video (17k+5 frames to 5k+2 latent frames, 16x spatial) and stereo audio latents (40 a second, 24
+    frames a second) packed with the text into one sequence; batch 1 (a CFG run calls it twice a step); the text is
+    what ``preprocess_text_embeds`` made of the encoder's states (the model's own width)."""
+
+    fps: int = 24
+    audio_rate: int = 40
+    batch_one: bool = True
+
+    def latent_frames(self, frames: int) -> int:
+        return 2 if frames <= 5 else ((frames - 5) // 17) * 5 + 2
+
+    def latent_shape(self, batch: int, height: int, width: int, frames: int) -> tuple[int, ...]:
+        s = self.compression[1]
+        return (1, self.latent_channels, self.latent_frames(frames), height // s, width // s)
+
+    def check_size(self, height: int, width: int, frames: int) -> None:
+        multiple = self.size_multiple or 32
+        if height % multiple or width % multiple:
+            raise InputError(f"--height/--width {height}x{width}: {self.name} takes multiples of {multiple}")
+        if frames < 5 or frames % 17 != 5:
+            lower = max(5, (frames - 5) // 17 * 17 + 5)
+            raise InputError(f"--frames {frames}: {self.name} takes 17N+5 frames, e.g. {lower} or {lower + 17}")
+
+    def example_call(self, batch: int, height: int, width: int, frames: int, dtype=torch.bfloat16):
+        tokens, _ = self.text
+        video = torch.empty(self.latent_shape(1, height, width, frames), dtype=dtype, device="meta")
+        audio_frames = round(frames / self.fps * self.audio_rate)
+        audio = torch.empty(1, self.config["audio_latents_dim"], 2, audio_frames, dtype=dtype, device="meta")
+        context = torch.empty(1, tokens, self.config["hidden_size"], dtype=dtype, device="meta")
+        payload = {"text_token_tags": torch.ones(tokens, dtype=torch.long), "seed": 0, "audio_scale": 1.0}
+        return ([video, audio], torch.full((1,), 500.0), context), {"transformer_options": {},
+                                                                    "minimax_payload": payload}
+
+
+@dataclass(frozen=True)
 class NativeComponent:
     """A text encoder or VAE of ComfyUI's at its released size, as its loaders build it (``comfy/sd.py``)."""
 
@@ -137,6 +174,10 @@ class NativeComponent:
         module_name, class_name = self.cls.split(":")
         module = importlib.import_module(module_name)
         cls = getattr(module, class_name)
+        if self.kind == "text" and "file" not in self.config:  # a model whose configuration is its class's own
+            config = {} if layers is None else {"num_hidden_layers": layers}
+            with torch.device("meta"):
+                return cls(config, dtype, "meta", comfy.ops.disable_weight_init)
         if self.kind == "text":
             config = json.loads((Path(module.__file__).parent / self.config["file"]).read_text())
             if layers is not None:
@@ -155,6 +196,10 @@ COMPONENTS: dict[str, NativeComponent] = {c.name: c for c in (
                     "vae", compression=(4, 8)),
     NativeComponent("wan2.2-vae", "Wan 2.2 VAE", "comfy.ldm.wan.vae2_2:WanVAE", dict(dim=160, z_dim=48, **_WAN_VAE),
                     "vae", compression=(4, 16)),
+    NativeComponent("qwen3vl-32b-minimax-h3", "Qwen3-VL 32B (50 layers)", "comfy.text_encoders.minimax:MiniMaxQwen3VL",
+                    {}, "text", tokens=512),
+    NativeComponent("minimax-h3-video-vae", "MiniMax H3 video VAE (ViT decoder)",
+                    "comfy.ldm.minimax.vae:MiniMaxH3VideoVAE", {}, "vae", compression=(5, 16)),
 )}
 
 
@@ -187,6 +232,14 @@ LTX23_22B = dict(LTX2_19B, apply_gated_attention=True, cross_attention_adaln=Tru
 # 2048 wide (16 heads of 128), 54 double blocks and no single ones, Qwen 2.5-VL-7B text (3584), ByT5 glyph text,
 # SigLIP image features (vision_in 1152: what tells 1.5), the condition-type embedding; no guidance embedding (the
 # CFG-distilled files add one).
+# MiniMax H3 as its released files load (model_detection.py): 50 blocks 5376 wide, 56 heads of 128, Qwen3-VL 32B's
+# 5120-wide states, and the pruned form its templates load: each block's adaLN reads a small shared basis of the
+# time-embedding curve (``adaln_t_table`` [grid, basis]) instead of the 2688-wide embedding. ComfyUI reads the basis
+# width from the file; 64 is assumed here (20.4B weights, as the templates' 19.5 GB int8 file holds, against 33B with
+# the full form's 2688).
+MINIMAX_H3 = dict(hidden_size=5376, num_layers=50, token_refiner_num_layers=2, num_attention_heads=56,
+                  attention_head_dim=128, ffn_hidden_size=14336, latents_dim=24, audio_latents_dim=32, text_dim=5120,
+                  time_embed_dim=64, rope_inv_freq_len=16, adaln_curve_grid=1001)
 HUNYUAN_VIDEO_15 = dict(image_model="hunyuan_video", in_channels=65, out_channels=32, vec_in_dim=None,
                         context_in_dim=3584, hidden_size=2048, mlp_ratio=4.0, num_heads=16, depth=54,
                         depth_single_blocks=0, axes_dim=[16, 56, 56], theta=256, patch_size=[1, 1, 1], qkv_bias=True,
@@ -230,6 +283,11 @@ ARCHITECTURES: dict[str, NativeArchitecture] = {a.name: a for a in (
     NativeArchitecture("ltx2.3-22b", "comfy.ldm.lightricks.av_model:LTXAVModel", LTX23_22B, 128, (8, 32),
                        (512, 768, 121), (1024, 4096 + 2048), audio=(8, 16), size_multiple=32,
                        notes="video with sound: the audio stream's latents beside the video's"),
+    PackedAVArchitecture("minimax-h3", "comfy.ldm.minimax.model:MiniMaxH3Model", MINIMAX_H3, 24, (5, 16),
+                         (736, 1280, 124), (512, MINIMAX_H3["hidden_size"]), size_multiple=32,
+                         text_encoder="qwen3vl-32b-minimax-h3", vae="minimax-h3-video-vae",
+                         notes="video with stereo sound, one packed sequence; the pruned (curve) form its templates "
+                               "load; batch 1 (a CFG step is two calls)"),
     NativeArchitecture("hunyuanvideo1.5", "comfy.ldm.hunyuan_video.model:HunyuanVideo", HUNYUAN_VIDEO_15, 32,
                        (4, 16), (720, 1280, 121), (256, 3584), extra=("guidance",), layers_key="depth",
                        channels_in=65, size_multiple=16, notes="720p T2V and I2V (one architecture)"),

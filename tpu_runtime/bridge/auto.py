@@ -1,16 +1,18 @@
 """The automatic mode: every model ComfyUI's loaders load runs on the runtime, with the graph unchanged.
 
-Started with ``TPU_VIDEO_AUTO=1`` (or a subset of ``model,text,vae,clip_vision``), or switched in ComfyUI's settings
-dialog (``TPUVideo.AutomaticMode``, read from ComfyUI's settings store at each prompt), ComfyUI runs as if TPU
-Diffusion Model, TPU Text Encoder, TPU VAE and TPU CLIP Vision stood, with their defaults, right after every loader.
+Started with ``TPU_VIDEO_AUTO=1`` (or a subset of ``model,text,vae,clip_vision,audio_encoder``), or switched in
+ComfyUI's settings dialog (``TPUVideo.AutomaticMode``, read from ComfyUI's settings store at each prompt), ComfyUI
+runs as if TPU Diffusion Model, TPU Text Encoder, TPU VAE, TPU CLIP Vision and TPU Audio Encoder stood, with their
+defaults, right after every loader.
 How it hooks in:
 
 - ComfyUI's executor turns what a node's function returned into the node's outputs in one function
   (``execution.get_output_from_returns``, the same in every ComfyUI since node expansion). The hook wraps it: a node
-  whose declared inputs take no MODEL, CLIP, VAE or CLIP_VISION (a loader, of any pack: Load Diffusion Model, Load
-  Checkpoint, Load CLIP, DualCLIPLoader, Load VAE, Load CLIP Vision, the LTX-2 and audio loaders, a custom pack's)
-  has each such output passed through the function the TPU node of that type calls
-  (``diffusion_model_on_runtime``, ``text_encoder_on_runtime``, ``vae_on_runtime``, ``clip_vision_on_runtime``).
+  whose declared inputs take no MODEL, CLIP, VAE, CLIP_VISION or AUDIO_ENCODER (a loader, of any pack: Load
+  Diffusion Model, Load Checkpoint, Load CLIP, DualCLIPLoader, Load VAE, Load CLIP Vision, Load Audio Encoder, the
+  LTX-2 and audio loaders, a custom pack's) has each such output passed through the function the TPU node of that
+  type calls (``diffusion_model_on_runtime``, ``text_encoder_on_runtime``, ``vae_on_runtime``,
+  ``clip_vision_on_runtime``, ``audio_encoder_on_runtime``).
   What the loader returned is then cached by ComfyUI as any output is; LoRA loaders, model patches and every
   other node after it work on the bridged copy as they would after the TPU node.
 - The mode is part of a loader's cache key (``execution.IsChangedCache``): switching it in the settings re-runs
@@ -18,8 +20,10 @@ How it hooks in:
 - An explicit TPU node after a loader still works and wins: it bridges its input again with its own settings.
 - A model the runtime cannot run stays on the host: a loader output of no known kind is named once in the log and
   passed on unchanged; a model whose code cannot be compiled (``UntraceableModel``, found at its first call) is
-  named once in the log and runs with ComfyUI's own code from then on (``HostFallback``). Any other failure (out of
-  device memory, a bad mesh) stops the prompt as it does with the TPU nodes.
+  named once in the log and runs with ComfyUI's own code from then on (``HostFallback``); found midway through a
+  VAE's chunked decode or encode, the whole decode or encode runs again on the host (``RestartOnHost``). The failed
+  trace leaves the model as it was. Any other failure (out of device memory, a bad mesh) stops the prompt as it does
+  with the TPU nodes.
 
 Importing this module is cheap (no torch, no JAX, no ComfyUI): the pack's ``__init__`` calls ``start`` at
 ComfyUI's start-up.
@@ -35,16 +39,20 @@ import threading
 import weakref
 from dataclasses import dataclass
 
+from ..engine import notices
 from ..errors import InputError
+from .settings_store import runtime as settings_runtime
+from .settings_store import settings_file
 
 log = logging.getLogger(__name__)
 
 ENV = "TPU_VIDEO_AUTO"
 SETTING = "TPUVideo.AutomaticMode"
 AS_STARTED = "as started"
-PARTS = ("model", "text", "vae", "clip_vision")
+PARTS = ("model", "text", "vae", "clip_vision", "audio_encoder")
 # ComfyUI's output types -> the part of the automatic mode that runs them on the runtime.
-OUTPUT_PARTS = {"MODEL": "model", "CLIP": "text", "VAE": "vae", "CLIP_VISION": "clip_vision"}
+OUTPUT_PARTS = {"MODEL": "model", "CLIP": "text", "VAE": "vae", "CLIP_VISION": "clip_vision",
+                "AUDIO_ENCODER": "audio_encoder"}
 _ON = ("1", "on", "true", "yes", "all")
 _OFF = ("", "0", "off", "false", "no", "none")
 VALID = ("1 (or all: every part), 0 (or off), or a comma-separated subset of " + ", ".join(PARTS)
@@ -85,14 +93,6 @@ class _State:
 
 _state = _State()
 _state_lock = threading.Lock()
-
-
-def settings_file() -> str | None:
-    """ComfyUI's settings store of its (default) user, where the settings dialog writes ``SETTING``."""
-    folder_paths = sys.modules.get("folder_paths")
-    if folder_paths is None:
-        return None
-    return os.path.join(folder_paths.get_user_directory(), "default", "comfy.settings.json")
 
 
 def _setting_value() -> frozenset | None:
@@ -145,7 +145,8 @@ def _declared_inputs(cls) -> set[str]:
 
 
 def loader_slots(cls) -> dict[int, str]:
-    """Output index -> part, for a node class that takes no MODEL / CLIP / VAE / CLIP_VISION input and returns some;
+    """Output index -> part, for a node class that takes no MODEL / CLIP / VAE / CLIP_VISION / AUDIO_ENCODER input and
+    returns some;
     empty for any other node."""
     if cls not in _loader_slots:
         slots: dict[int, str] = {}
@@ -161,9 +162,16 @@ def loader_slots(cls) -> dict[int, str]:
 
 
 # --- the outputs ------------------------------------------------------------------------------------------------------
+class StartAgainOnHost(Exception):
+    """A part found untraceable after earlier calls of the same operation left values on the devices (a causal VAE's
+    caches after its first chunks): the host cannot take over midway, so the whole operation (the VAE's decode or
+    encode, ``RestartOnHost``) starts again on the host."""
+
+
 class HostFallback:
     """In place of a bridged forward in the automatic mode: a model whose code cannot be compiled is named once in the
-    log and runs with ComfyUI's own code on the host from then on (the TPU nodes instead stop with the error)."""
+    log and runs with ComfyUI's own code on the host from then on (the TPU nodes instead stop with the error). The
+    trace that failed left the model as it was (``program.module_state_kept``)."""
 
     def __init__(self, forward, module, method_name: str):
         self.forward = forward
@@ -179,13 +187,33 @@ class HostFallback:
             try:
                 return self.forward(*args, **kwargs)
             except UntraceableModel as error:
-                if any(isinstance(leaf, DeviceValue) for leaf in split_call((args, kwargs)).leaves):
-                    raise  # values of earlier calls live on the devices: the host cannot take over midway
                 _on_host.add(id(self.bridged))
                 weakref.finalize(self.bridged, _on_host.discard, id(self.bridged))
                 self.forward.release()
-                log.warning("automatic mode: %s runs on the host: %s", self.bridged.label, error)
+                notices.warn(log, f"automatic mode: {self.bridged.label} runs on the host: {error}")
+                if any(isinstance(leaf, DeviceValue) for leaf in split_call((args, kwargs)).leaves):
+                    raise StartAgainOnHost(str(error)) from error
         return self._method(self._module(), *args, **kwargs)
+
+
+class RestartOnHost:
+    """In place of a VAE's own ``decode`` or ``encode`` in the automatic mode, around the parts it calls chunk by chunk:
+    when a part is found untraceable midway (``StartAgainOnHost``), the operation runs again from its start, its
+    parts now on the host, as ComfyUI would run it without the pack (its inputs are the host's; 0.3.64's Wan VAEs
+    clear the caches they hold at the start of each operation, 0.33's make new ones)."""
+
+    def __init__(self, module, method_name: str):
+        self._module = weakref.ref(module)
+        self._name = method_name
+        self._method = getattr(type(module), method_name)
+
+    def __call__(self, *args, **kwargs):
+        module = self._module()
+        try:
+            return self._method(module, *args, **kwargs)
+        except StartAgainOnHost:
+            notices.warn(log, f"automatic mode: {type(module).__name__}.{self._name} starts again on the host")
+            return self._method(module, *args, **kwargs)
 
 
 _on_host: set[int] = set()  # ids of the bridged modules found untraceable (each forgotten when it is dropped)
@@ -206,7 +234,14 @@ def _with_fallback(patcher) -> list:
         module = comfy.utils.get_attr(patcher.model, path) if path else patcher.model
         patcher.add_object_patch(key, HostFallback(value, module, attr))
         bridged.append(value.bridged)
+        outer = _OUTER_METHODS.get(key)  # a VAE's part: its own decode / encode can start again on the host
+        if outer and callable(getattr(type(patcher.model), outer, None)) and outer not in patcher.object_patches:
+            patcher.add_object_patch(outer, RestartOnHost(patcher.model, outer))
     return bridged
+
+
+# A VAE part's object patch key -> the VAE's own method that calls it (chunk by chunk for a causal video VAE).
+_OUTER_METHODS = {"decoder.forward": "decode", "encoder.forward": "encode"}
 
 
 def _patcher_of(part: str, value):
@@ -216,6 +251,7 @@ def _patcher_of(part: str, value):
 def on_runtime(part: str, value, node: str):
     """``value`` (a loader's output of ``part``) bridged as its TPU node's defaults do, or unchanged (named once in
     the log) when the runtime has no bridge for it."""
+    from .audio_encoder import audio_encoder_on_runtime
     from .comfy import BridgeSettings
     from .diffusion import diffusion_model_on_runtime
     from .text import text_encoder_on_runtime
@@ -223,14 +259,14 @@ def on_runtime(part: str, value, node: str):
     from .vision import clip_vision_on_runtime
 
     bridge = {"model": diffusion_model_on_runtime, "text": text_encoder_on_runtime, "vae": vae_on_runtime,
-              "clip_vision": clip_vision_on_runtime}[part]
+              "clip_vision": clip_vision_on_runtime, "audio_encoder": audio_encoder_on_runtime}[part]
     try:
         bridged_value = bridge(value, BridgeSettings())
     except InputError as error:
         name = f"{node}/{type(value).__name__}"
         if name not in _skipped:
             _skipped.add(name)
-            log.warning("automatic mode: %s's %s output stays on the host: %s", node, part, error)
+            notices.warn(log, f"automatic mode: {node}'s {part} output stays on the host: {error}")
         return value
     modules = _with_fallback(_patcher_of(part, bridged_value))
     _announce(node, part, modules)
@@ -238,9 +274,7 @@ def on_runtime(part: str, value, node: str):
 
 
 def _announce(node: str, part: str, modules: list) -> None:
-    from ..engine.runtime import get_runtime
-
-    devices = len(get_runtime().devices)
+    devices = len(settings_runtime().devices)
     for bridged in modules:
         spec = bridged.mesh_spec or bridged.rules.auto_mesh(bridged.module, devices)
         log.info("automatic mode: %s from %s runs on the TPU runtime (%s, mesh %s)", bridged.label, node, part, spec)
@@ -263,7 +297,10 @@ def bridge_outputs(output: list, cls) -> list:
 
 
 def _blocked(value) -> bool:
-    return type(value).__name__ == "ExecutionBlocker" or value is None
+    """Nothing to run: a blocked output, none, or a checkpoint's VAE output that holds no model (a checkpoint without
+    VAE weights, SAM 3's: ComfyUI's loader returns a VAE object with none, which nothing can decode with)."""
+    empty_vae = hasattr(value, "first_stage_model") and getattr(value, "first_stage_model") is None
+    return type(value).__name__ == "ExecutionBlocker" or value is None or empty_vae
 
 
 # --- ComfyUI's executor -----------------------------------------------------------------------------------------------
@@ -323,5 +360,6 @@ def start(environ=os.environ) -> frozenset[str]:
 
 
 def _names(parts: frozenset[str]) -> str:
-    names = {"model": "diffusion models", "text": "text encoders", "vae": "VAEs", "clip_vision": "CLIP vision models"}
+    names = {"model": "diffusion models", "text": "text encoders", "vae": "VAEs", "clip_vision": "CLIP vision models",
+             "audio_encoder": "audio encoders"}
     return ", ".join(names[p] for p in PARTS if p in parts)

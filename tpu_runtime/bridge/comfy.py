@@ -26,6 +26,7 @@ Nothing here is imported unless ComfyUI runs (or a test imports ComfyUI).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import sys
 import threading
@@ -161,7 +162,8 @@ def _comfy_attention_replacements() -> dict[int, Callable]:
 @contextlib.contextmanager
 def comfy_attention_on_runtime(module: torch.nn.Module):
     """While tracing ``module``'s code: every ComfyUI attention function it holds (a submodule's attribute) or its
-    code's Python modules name (a module-level import) is the runtime's; everything is put back afterwards. Only
+    code's Python modules name (a module-level import, or ComfyUI's attention module imported whole) is the runtime's;
+    everything is put back afterwards. Only
     a trace runs inside this block (the model is not running natively at the same time: ComfyUI runs one prompt at
     a time)."""
     replace = _comfy_attention_replacements()
@@ -175,6 +177,16 @@ def comfy_attention_on_runtime(module: torch.nn.Module):
                 if callable(value) and id(value) in replace:
                     swapped.append((sub, name, value))
                     object.__setattr__(sub, name, replace[id(value)])
+        import comfy.ldm.modules.attention as attention
+
+        # ComfyUI's attention module imported whole, by the code's modules or those of the functions they import
+        # (SeedVR2's variable-length attention calls ``_attention.optimized_attention``): its functions too
+        helpers = {getattr(value, "__module__", None) for name in modules
+                   for value in vars(sys.modules.get(name) or attention).values() if inspect.isfunction(value)}
+        for name in sorted(modules | {h for h in helpers if h and h.startswith("comfy.")}):
+            namespace = sys.modules.get(name)
+            if namespace is not None and any(value is attention for value in vars(namespace).values()):
+                modules.add(attention.__name__)
         for name in sorted(modules):
             namespace = sys.modules.get(name)
             if namespace is None or name.startswith(("torch", "builtins")):
@@ -197,10 +209,14 @@ class BridgedForward:
     """What the object patch puts in place of the diffusion model's ``_forward`` (or ``forward``): checks for
     Cancel, brings the device weights in step with ComfyUI's patches, runs the program."""
 
-    def __init__(self, bridged: BridgedModule, base_model, prefix: str = "diffusion_model."):
+    def __init__(self, bridged: BridgedModule, base_model, prefix: str = "diffusion_model.",
+                 prepare: Callable | None = None):
         self.bridged = bridged
         self._base = weakref.ref(base_model)
         self.prefix = prefix  # the bridged module's name in the patcher's model (ComfyUI's patch keys)
+        # For a model whose forward computes on host values at every call (``minimax.py``): the host's part, which
+        # turns the call's arguments into the keyword arguments of the bridged method.
+        self.prepare = prepare
         self._synced = _NOT_SYNCED
         self._patched: set[str] = set()
         self._lock = threading.Lock()
@@ -239,6 +255,8 @@ class BridgedForward:
 
         comfy.model_management.throw_exception_if_processing_interrupted()  # Cancel: between model calls
         self.sync_weights()
+        if self.prepare is not None:
+            return self.bridged(**self.prepare(self.bridged.module, *args, **kwargs))
         return self.bridged(*args, **kwargs)
 
 
@@ -291,22 +309,109 @@ def constant_arguments(module: torch.nn.Module) -> tuple[str, ...]:
     return tuple(arg for cls, args in CONSTANT_ARGUMENTS.items() if cls in names for arg in args)
 
 
+# Model classes (any class in the MRO) whose forward keeps sizes as tensors made from its inputs' shapes and reads
+# them back as Python numbers (``.tolist()``): SeedVR2's NaDiT flattens each video of a batch into one sequence and
+# carries their (frames, height, width) and text lengths as tensors, from which it splits, windows and unflattens.
+# Those values come from constants alone; computed while traced (``jax.ensure_compile_time_eval``), they stay
+# concrete and the code reads them as on the host. Everything computed from the inputs' values is traced as ever.
+SIZES_AS_TENSORS = ("NaDiT",)
+
+
+def sizes_as_tensors(module: torch.nn.Module) -> bool:
+    return any(cls.__name__ in SIZES_AS_TENSORS for cls in type(module).__mro__)
+
+
+@contextlib.contextmanager
+def constants_evaluated(context):
+    """``context`` entered, and what the traced code computes from constants alone evaluated while it is traced."""
+    import jax
+
+    with context, jax.ensure_compile_time_eval():
+        yield
+
+
+def _sizes(data):
+    """``torch.Size`` values in (nested) lists and tuples as tuples of ints."""
+    if isinstance(data, (list, tuple)):
+        return type(data)(_sizes(d) for d in data) if not isinstance(data, torch.Size) else tuple(data)
+    return data
+
+
+@contextlib.contextmanager
+def sizes_as_integers(env):
+    """While traced: ``torch.tensor`` / ``torch.as_tensor`` of shapes (``torch.Size``) give integer tensors, as
+    torch's do, and a slice of such a tensor reads back as Python numbers (``.tolist()``). torchax (0.0.13) infers the
+    dtype from the first leaf of the data, and a ``torch.Size`` is a leaf to JAX, so a tensor of shapes came out
+    float32 (SeedVR2's ``flatten``); its views (a slice) have no ``tolist``. Kept here, in one place, until torchax
+    does the same."""
+    import dataclasses
+
+    keys = (torch.tensor, torch.as_tensor)
+    saved = {key: env._ops.get(key) for key in keys}
+
+    def factory(original):
+        def make(data, *args, **kwargs):
+            return original.func(_sizes(data), *args, **kwargs)
+
+        return dataclasses.replace(original, func=make)
+
+    from torchax.view import View
+
+    had_tolist = "tolist" in vars(View)
+    try:
+        for key, op in saved.items():
+            if op is not None:
+                env._ops[key] = factory(op)
+        View.tolist = lambda self: self.torch().tolist()  # a slice of such sizes (torchax's views have no tolist)
+        yield
+    finally:
+        if not had_tolist:
+            del View.tolist
+        for key, op in saved.items():
+            if op is not None:
+                env._ops[key] = op
+
+
+@contextlib.contextmanager
+def _trace_context(module: torch.nn.Module):
+    context = comfy_attention_on_runtime(module)  # attention called without the override
+    if not sizes_as_tensors(module):
+        with context:
+            yield
+        return
+    from ..engine.runtime import get_runtime
+
+    with constants_evaluated(context), sizes_as_integers(get_runtime().env):
+        yield
+
+
 def forward_for(base_model, settings: BridgeSettings) -> BridgedForward:
     """One bridged forward (one device copy) per loaded model; new settings replace the old copy."""
 
     def build() -> BridgedForward:
         module = base_model.diffusion_model
         method_name = "_forward" if callable(getattr(type(module), "_forward", None)) else "forward"
+        prepare, method = host_prepared(module) or (None, getattr(type(module), method_name))
         bridged = BridgedModule(
-            module=module, method=getattr(type(module), method_name), rules=rules_for(module),
+            module=module, method=method, rules=rules_for(module),
             mesh_spec=settings.mesh, attention=settings.attention, prepare_options=_with_attention,
             label=type(module).__name__, constant_args=constant_arguments(module),
-            trace_context=lambda: comfy_attention_on_runtime(module),  # attention called without the override
+            trace_context=lambda: _trace_context(module),
         )
         bridged.method_name = method_name
-        return BridgedForward(bridged, base_model)
+        return BridgedForward(bridged, base_model, prepare=prepare)
 
     return held_forward(base_model, "diffusion_model", settings, build)
+
+
+def host_prepared(module: torch.nn.Module) -> tuple[Callable, Callable] | None:
+    """(host part, compiled part) of the forward of a model class whose own forward computes from host values at
+    every call (MiniMax H3: ``minimax.py``), or None: the model's own forward is compiled."""
+    from . import minimax
+
+    if minimax.is_minimax_h3(module):
+        return minimax.prepare, minimax.core
+    return None
 
 
 def _forget(key: tuple, forward: BridgedForward) -> None:
@@ -331,7 +436,7 @@ def bridged_forwards() -> list[BridgedForward]:
         return [f for _, f in _forwards.values()]
 
 
-def compute_dtype_patch(base_model, compute_dtype: str):
+def compute_dtype_patch(base_model, compute_dtype: str, backend: str | None = None):
     """The ``manual_cast_dtype`` the model computes with on the runtime, or ``None`` to leave ComfyUI's choice
     (``KEEP_CAST``: keep what ComfyUI chose). Logs one line: the model, how its weights are stored, the dtype it computes
     in and why.
@@ -339,9 +444,15 @@ def compute_dtype_patch(base_model, compute_dtype: str):
     ``auto`` computes as ComfyUI does on an accelerator with bfloat16: quantized weights (ComfyUI's QuantizedTensors:
     fp8, int8, nvfp4, mxfp8 files) and plain fp8 weights (the loader's ``weight_dtype`` fp8) in bfloat16 inside the
     program (dequantized, or int8 matmuls on bfloat16 activations), bf16/fp16 weights in their own dtype (on the host ``--cpu`` makes ComfyUI cast every layer
-    up to float32), float32 weights in float32. ``as loaded`` keeps what ComfyUI chose for the device it loaded the
-    model for (with ``--cpu``: float32, ComfyUI's own CPU result)."""
+    up to float32), float32 weights in float32; on the runtime's CPU backend (``backend``: the runtime's, by default)
+    it keeps ComfyUI's choice, which bfloat16 would only slow down there. ``as loaded`` keeps what ComfyUI chose for
+    the device it loaded the model for (with ``--cpu``: float32, ComfyUI's own CPU result)."""
     from .quantized import weight_storage
+
+    if backend is None:
+        from ..engine.runtime import get_runtime
+
+        backend = get_runtime().backend
 
     module = base_model.diffusion_model
     storage = weight_storage(module)
@@ -349,6 +460,9 @@ def compute_dtype_patch(base_model, compute_dtype: str):
     host = getattr(config, "manual_cast_dtype", base_model.manual_cast_dtype) or base_model.get_dtype()
     if compute_dtype == "as loaded":
         chosen, why = KEEP_CAST, "compute_dtype 'as loaded': what ComfyUI chose when it loaded the model"
+    elif backend == "cpu":
+        chosen, why = KEEP_CAST, ("compute_dtype 'auto' on the CPU backend keeps what ComfyUI chose (a TPU or GPU "
+                                  "computes half-precision and quantized files in bfloat16)")
     elif storage.quantized or storage.fp8:
         chosen, why = torch.bfloat16, ("quantized or fp8 weights compute in bfloat16 inside the program (dequantized, "
                                        "or int8 matmuls on bfloat16 activations), as ComfyUI computes them on an "

@@ -1,4 +1,4 @@
-"""LTX-2's text connectors on the runtime, with TPU Diffusion Model.
+"""LTX-2's text connectors (and MiniMax H3's token refiner) on the runtime, with TPU Diffusion Model.
 
 ComfyUI's LTX-2 model (``LTXAVModel``) turns the text encoder's output into the context its blocks attend to in
 ``preprocess_text_embeds``: the video and the audio text connectors (two to eight transformer blocks each, 3840 or
@@ -13,7 +13,10 @@ table is the model's (LTX-2's connectors: Megatron). One program per prompt leng
 prompt's own tokens; the connectors fill up to 1024 with their registers inside the program), as a text encoder that
 does not pad compiles one per length.
 
-Found by feature: a diffusion model with ``preprocess_text_embeds`` and text connector modules.
+MiniMax H3 prepares its text the same way (``condition_proj`` and a two-block ``token_refiner`` over the Qwen3-VL
+states, once per sampling run in ``extra_conds``): the same patch runs it on the runtime.
+
+Found by feature: a diffusion model with ``preprocess_text_embeds`` and the modules one of those models reads there.
 """
 
 from __future__ import annotations
@@ -26,15 +29,26 @@ from .comfy import BridgedForward, BridgeSettings, comfy_attention_on_runtime, h
 from .program import BridgedModule
 from .rules import rules_for
 
-# The modules preprocess_text_embeds reads, by their attribute names in ComfyUI's LTXAVModel.
-CONNECTOR_MODULES = ("video_embeddings_connector", "audio_embeddings_connector", "caption_projection",
-                     "audio_caption_projection")
+# The modules preprocess_text_embeds reads, by their attribute names: the first ones of each group must be there.
+# ComfyUI's LTXAVModel (its video and audio text connectors, LTX-2.3's caption projections) and MiniMaxH3Model.
+CONNECTOR_MODULES = (
+    (("video_embeddings_connector", "audio_embeddings_connector"), ("caption_projection", "audio_caption_projection")),
+    (("condition_proj", "token_refiner"), ()),
+)
 METHOD = "preprocess_text_embeds"
+
+
+def _connector_modules(module: torch.nn.Module) -> tuple[str, ...]:
+    """The modules ``preprocess_text_embeds`` reads in ``module`` (empty: a model without such a preparation)."""
+    for required, optional in CONNECTOR_MODULES:
+        if all(isinstance(getattr(module, attr, None), torch.nn.Module) for attr in required):
+            return required + optional
+    return ()
 
 
 def _connector_weights(module: torch.nn.Module) -> set[str]:
     names = set()
-    for attr in CONNECTOR_MODULES:
+    for attr in _connector_modules(module):
         sub = getattr(module, attr, None)
         if isinstance(sub, torch.nn.Module):
             names |= {f"{attr}.{n}" for n, _ in sub.named_parameters(remove_duplicate=False)}
@@ -64,7 +78,7 @@ def connector_patches(base_model, settings: BridgeSettings) -> dict[str, Bridged
     module = base_model.diffusion_model
     method = getattr(type(module), METHOD, None)
     used = _connector_weights(module)
-    if not callable(method) or not any(n.startswith(CONNECTOR_MODULES[:2]) for n in used):
+    if not callable(method) or not used:
         return {}
 
     def build() -> BridgedForward:

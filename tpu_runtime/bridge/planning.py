@@ -89,10 +89,16 @@ def step_program(module: torch.nn.Module, call: tuple, devices: list, mesh_text:
                  attention: AttentionConfig | None, describe: str) -> PlannedProgram:
     """The diffusion model's step for ``call`` (``(args, kwargs)`` of ``_forward``, meta tensors) as TPU Diffusion
     Model runs it: ComfyUI's attention override set to the runtime's, a leading batch dp divides split over dp."""
-    bridged = BridgedModule(module=module, method=type(module)._forward, rules=rules_for(module),
-                            attention=attention or AttentionConfig(), label=type(module).__name__)
+    from .comfy import host_prepared
+
+    prepared = host_prepared(module)  # MiniMax H3: its host part first, the compiled part planned
+    bridged = BridgedModule(module=module, method=prepared[1] if prepared else type(module)._forward,
+                            rules=rules_for(module), attention=attention or AttentionConfig(),
+                            label=type(module).__name__)
     spec = _on_mesh(bridged, mesh_text, devices)
     weights = abstract_weights(bridged)
+    if prepared:
+        call = ((), prepared[0](module, *call[0], **call[1]))
     positional, keyword, options = bridged._arguments(*call)
     options = {"optimized_attention_override": comfy_attention, **(options or {})}
     split = split_call((positional, keyword))
@@ -121,6 +127,24 @@ def text_program(module: torch.nn.Module, tokens: int, devices: list, mesh_text:
     split = split_call((positional, keyword))
     fn, _, _ = bridged.program_function(split, None, bridged.mesh, recorded)
     return PlannedProgram("encode", fn, weights, bridged._abstract_inputs(split), spec, describe, "text_encoder")
+
+
+def tile_decode_program(vae_model: torch.nn.Module, tile: tuple[int, ...], devices: list, mesh_text: str | None,
+                        attention: AttentionConfig | None, describe: str) -> PlannedProgram:
+    """The decoder of a VAE that tiles and chunks the video itself (MiniMax H3's: ``handles_tiling``) for one tile of
+    latents of shape ``tile`` (its spatial tile, its temporal chunk with overlap), as TPU VAE runs each of them: the
+    tiling, blending and chunking stay on the host; the tile's frames split over the mesh along their width."""
+    decoder = vae_model.decoder
+    bridged = BridgedModule(module=decoder, method=type(decoder).forward, rules=VAE_RULES, options_arg=None,
+                            input_spec=frame_spec, attention=attention or AttentionConfig(),
+                            label=f"{type(vae_model).__name__}.decoder")
+    bridged.trace_context = lambda: part_trace_context(decoder, devices)
+    spec = _on_mesh(bridged, mesh_text, devices)
+    weights = abstract_weights(bridged)
+    z = torch.empty(tile, dtype=torch.bfloat16, device="meta")
+    split = split_call(bridged._arguments((z,), {})[:2])
+    fn, _, _ = bridged.program_function(split, None, bridged.mesh)
+    return PlannedProgram("decode", fn, weights, bridged._abstract_inputs(split), spec, describe, "vae")
 
 
 def decode_programs(vae_model: torch.nn.Module, latent: tuple[int, ...], devices: list, mesh_text: str | None,

@@ -38,11 +38,13 @@ from typing import Any, Callable, ContextManager
 import torch
 
 from ..engine.attention import AttentionConfig, attention_scope
+from ..engine.memory import PLAN_NATIVE, gib, is_out_of_memory, out_of_memory
 from ..engine.sharding import MeshSpec
 from ..errors import InputError
 from . import kitchen, quantized
 from .calls import DeviceValue, OptionReads, RecordedOptions, RecordedSequence, rebuild, split_call
 from .rules import ArchRules, placement_specs
+from .saved import saved_program
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +105,14 @@ class CallStats:
     """Per bridged module: model calls, programs compiled (traced and built) and seconds in each part of a call."""
 
     calls: int = 0
-    programs: int = 0
+    programs: int = 0  # held: traced and compiled here, or loaded
     trace_compile_seconds: float = 0.0
     to_device_seconds: float = 0.0
     run_seconds: float = 0.0
     to_host_seconds: float = 0.0
     call_seconds: float = 0.0  # whole calls, from the arguments to the result on the host (compiles excluded)
     weight_refreshes: int = 0
+    programs_loaded: int = 0  # of ``programs``: saved by an earlier process and loaded (``saved.py``)
 
     def reset(self) -> None:
         for name in self.__dataclass_fields__:
@@ -139,6 +142,13 @@ class BridgedModule:
     skip_weights: frozenset = frozenset()
     memory_hint: str = ""
     constant_args: tuple[str, ...] = ()  # arguments whose tensors are constants of the program (``calls``)
+    # Constant arguments whose tensors the model's code meets on the devices (a boolean mask it indexes device values
+    # with): they enter the trace as concrete arrays rather than host tensors (mixed host and device math).
+    device_constant_args: tuple[str, ...] = ()
+    # Attributes the model's forward records on itself for the code around it (redone on the host after each call,
+    # ``text.record_host_values``) and its program never reads: left out of its saved programs' key (``saved.py``),
+    # which must not depend on the call before.
+    host_recorded: tuple[str, ...] = ()
 
     def __post_init__(self):
         self.signature = inspect.signature(self.method)
@@ -234,14 +244,21 @@ class BridgedModule:
         return len({p.key for p in parts if p.name == p.weight})
 
     def place(self) -> dict:
-        """The weights on the devices (placed on first use, then kept)."""
+        """The weights on the devices (placed on first use, then kept). Out of device memory, the error names the
+        module, its weights' size, the mesh and the fix."""
         with self._lock:
             if self.state is None:
                 start = time.perf_counter()
                 named = self._named()
                 self._set_quantized(quantized.describe_all(named), replace=True)
                 state: dict = {}
-                moved = self._place_named(state, named)
+                try:
+                    moved = self._place_named(state, named)
+                except Exception as error:  # noqa: BLE001 - the devices' own errors, named for the user where we can
+                    if is_out_of_memory(error):
+                        raise self._memory_error(None, error, needs=f"its weights are {gib(_host_bytes(named))} in "
+                                                 "all, split over the mesh by its placement rules") from error
+                    raise
                 self.state = state
                 log.info("%s: %d weights placed on %d device(s) in %.1f s", self.label, moved,
                          self.mesh.size, time.perf_counter() - start)
@@ -315,7 +332,7 @@ class BridgedModule:
         if options is not None and self.prepare_options is not None:
             options = self.prepare_options(dict(options))
         recorded = {name: keyword.pop(name) for name in self.recorded_args if isinstance(keyword.get(name), list)}
-        call = split_call((positional, keyword), self.constant_args)
+        call = split_call((positional, keyword), self.constant_args + self.device_constant_args)
         runtime = self.runtime
         mesh = self.mesh
         state = self.place()
@@ -345,7 +362,7 @@ class BridgedModule:
             out, arrays = variant.executable(state, inputs)
             jax.block_until_ready((out, arrays))
         except Exception as error:  # noqa: BLE001 - the devices' own errors, named for the user where we can
-            if _out_of_memory(error):
+            if is_out_of_memory(error):
                 raise self._memory_error(call, error) from error
             raise
         ran = time.perf_counter()
@@ -378,10 +395,11 @@ class BridgedModule:
                 specs.append(self._spec(tuple(leaf.shape)))
         return self._driver.run(self.mesh, state, variant.executable, variant.number, inputs, specs, order)
 
-    def _memory_error(self, call, error) -> InputError:
-        return InputError(f"{self.label} ran out of device memory for {_describe(call)} on mesh "
-                          f"{dict(self.mesh.shape)}: {str(error).strip().splitlines()[0][:300]}. "
-                          f"{self.memory_hint or 'Use more devices (a larger slice) or smaller inputs.'}")
+    def _memory_error(self, call, error, needs: str = "") -> InputError:
+        """Out of device memory for ``call`` (None: while placing the weights), in words (``engine.memory``)."""
+        doing = f"for {_describe(call)}" if call is not None else "while placing its weights"
+        return out_of_memory(self.label, doing, error, self.mesh, needs=needs, plan=PLAN_NATIVE,
+                             fix=self.memory_hint or "Use more devices (a larger slice) or smaller inputs.")
 
     def _inputs(self, call) -> list:
         return [leaf.array if isinstance(leaf, DeviceValue) else self.runtime.put(leaf, self._input_sharding(leaf))
@@ -429,6 +447,7 @@ class BridgedModule:
         method, options_arg, attention = self.method, self.options_arg, self.attention
         mutable, settle, trace_context = self.mutable_lists, self.settle, self.trace_context
         quantized_weights = dict(self.quantized)
+        device_constants = _concrete_constants(call, self.device_constant_args)
         layouts: list = []
 
         def keep_placed(array):  # a list's array leaves placed as the next call takes it
@@ -439,12 +458,15 @@ class BridgedModule:
         def program(weights, leaves):
             weights, leaves = env.j2t_iso((weights, leaves))
             positional, keyword = rebuild(call.structure, leaves, call.objects)
+            for name, array in device_constants.items():
+                keyword[name] = _on_devices_concrete(array, env)
             if options_view is not None:
                 keyword[options_arg] = options_view
             keyword.update(recorded_view)
             arrays: list = []
             layouts.clear()
-            with env, attention_scope(attention, mesh), quantized.tracing(quantized_weights), (
+            with module_state_kept(holder), env, attention_scope(attention, mesh), \
+                    quantized.tracing(quantized_weights), (
                     trace_context() if trace_context else contextlib.nullcontext()):
                 params = {f"inner.{k}": v for k, v in quantized.assemble(weights, quantized_weights).items()}
                 out = torch.func.functional_call(holder, params, ((method, positional, keyword),), strict=False,
@@ -554,28 +576,40 @@ class BridgedModule:
 
     def _compile(self, base: tuple, call, options, recorded, state, positional, keyword) -> _Variant:
         runtime = self.runtime
+        key = ("bridge", self.label, self._serial, base, len(self._variants.get(base, ())))
+        saved = None if self._slice() is not None else saved_program(
+            self, base, call, options, recorded, state, f"{self.label} for {_describe(call)}")
+        loaded = saved.load() if saved is not None else None
+        if loaded is not None:  # a program an earlier process saved: nothing traced, nothing compiled
+            executable, reads, layouts = loaded
+            self.stats.programs_loaded += 1
+            return self._add_variant(base, _Variant(reads, key, executable, layouts, self.program_count))
         plan = self._settle_plan(call, options, recorded, state, positional, keyword) if (
             self.settle is not None and self.mutable_lists) else None
         program, reads, layouts = self.program_function(call, options, self.mesh, recorded, plan)
-        key = ("bridge", self.label, self._serial, base, len(self._variants.get(base, ())))
         start = time.perf_counter()
         number = self.program_count
         try:
             if self._slice() is not None:
                 executable = self._compile_for_slice(program, state, call, number)
             else:
-                executable = runtime.compiled(key, program, state, self._inputs(call),
+                executable = runtime.compiled(key, program, state, self._inputs(call), to_save=saved is not None,
                                               describe=f"{self.label} for {_describe(call)}")
         except UntraceableModel:
             raise
         except Exception as error:  # noqa: BLE001 - any failure inside the model's code while traced
-            if _out_of_memory(error):
+            if is_out_of_memory(error):
                 raise self._memory_error(call, error) from error
             raise explain_trace_failure(self.label, error) from error
         self.stats.trace_compile_seconds += time.perf_counter() - start
-        self.stats.programs += 1
         reads.finish(_read_context(options, recorded))
-        variant = _Variant(reads, key, executable, [list(layout) for layout in layouts], number)
+        if saved is not None:
+            saved.save(executable, reads, layouts)
+        return self._add_variant(base, _Variant(reads, key, executable, [list(layout) for layout in layouts], number))
+
+    def _add_variant(self, base: tuple, variant: _Variant) -> _Variant:
+        self.stats.programs += 1
+        reads = variant.reads
         variants = self._variants.setdefault(base, [])
         variants.append(variant)
         if len(variants) > VARIANT_WARNING and base not in self._warned_variants:
@@ -583,6 +617,59 @@ class BridgedModule:
             log.warning("%s: %d programs for one input shape: the model reads options that change between calls "
                         "(%s); each new value compiles again", self.label, len(variants), reads.describe())
         return variant
+
+
+@contextlib.contextmanager
+def module_state_kept(module: torch.nn.Module):
+    """While the block runs (a trace of the module's own code, or an observation of it on ``meta``), whatever that
+    code does to the modules' own state is undone when it ends, whether it succeeded or failed half way: every
+    attribute of every submodule set back to the object it held (attributes added are removed), and the items of
+    the lists and dicts they hold (the parameter, buffer and submodule tables among them) set back in place.
+
+    Model code keeps state on its modules: ComfyUI 0.3.64's Wan VAEs reset their causal caches with ``clear_cache()``
+    (a new list on the module, which the decode loop then passes to the next chunk), other models remember a
+    computed table. A trace must leave none of its traced values there and must not replace what the caller's loop
+    holds; the model, used on the host afterwards (the automatic mode's fallback, the same VAE without the node),
+    runs exactly as it would without the pack."""
+    saved = []
+    for sub in module.modules():
+        attributes = dict(vars(sub))
+        items = {name: (list(value) if type(value) is list else dict(value))
+                 for name, value in attributes.items() if type(value) in (list, dict)}
+        saved.append((sub, attributes, items))
+    try:
+        yield
+    finally:
+        for sub, attributes, items in saved:
+            current = vars(sub)
+            for name in [n for n in current if n not in attributes]:
+                del current[name]
+            current.update(attributes)
+            for name, value in items.items():
+                held = attributes[name]
+                if type(held) is list:
+                    held[:] = value
+                else:
+                    held.clear()
+                    held.update(value)
+
+
+def _concrete_constants(call, names: tuple[str, ...]) -> dict:
+    """name -> a concrete JAX array, for each constant keyword argument of ``call`` named in ``names``: made before
+    the trace, so that the model's code meets its values (a JAX array made while a program is traced is a tracer,
+    and a boolean mask must be concrete to index with)."""
+    if not names:
+        return {}
+    import jax.numpy as jnp
+
+    _, keyword = rebuild(call.structure, call.leaves, call.objects)
+    return {n: jnp.asarray(keyword[n].detach().cpu().numpy()) for n in names if isinstance(keyword.get(n), torch.Tensor)}
+
+
+def _on_devices_concrete(array, env):
+    from torchax.tensor import Tensor
+
+    return Tensor(array, env)
 
 
 def _structs(values) -> list:
@@ -616,9 +703,17 @@ def _same_item(value, target) -> bool:
     return type(value) is type(target) and value == target
 
 
-def _out_of_memory(error: BaseException) -> bool:
-    text = f"{type(error).__name__}: {error}"
-    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def _host_bytes(named) -> int:
+    """The bytes of ``named`` tensors on the host, each distinct tensor once."""
+    total = 0
+    for tensor in {id(t): t for _, t in named}.values():
+        try:
+            total += tensor.numel() * tensor.element_size()
+        except Exception:  # noqa: BLE001 - a tensor subclass without sizes counts as nothing
+            continue
+    return total
 
 
 def _lists_of(positional, keyword) -> list[list]:

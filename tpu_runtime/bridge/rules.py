@@ -160,7 +160,22 @@ LTXAV = ArchRules(
     heads=("num_attention_heads", "num_heads"),
 )
 
-KNOWN: tuple[ArchRules, ...] = (WAN, HUNYUAN_VIDEO, LTXAV, LTXV)
+# comfy/ldm/minimax/model.py (ComfyUI 0.33): blocks.N.attn (qkv_proj fused, out_proj; its q/k norms are one head
+# wide, whole), blocks.N.mlp (fc1: gate and up fused, fc2), the per-block adaLN (adaln_proj.linear: three modalities'
+# six modulations, 18 x 5376 wide, split on its input like HunyuanVideo's: one small all-reduce instead of gathers), the
+# token refiner's blocks alike, the final layer's adaLN.
+MINIMAX_H3 = ArchRules(
+    name="MiniMax H3",
+    classes=("MiniMaxH3Model",),
+    weights=(
+        *_attention(r"(blocks|token_refiner\.blocks)\.\d+\.attn", "qkv_proj", "out_proj"),
+        *_mlp(r"(blocks|token_refiner\.blocks)\.\d+\.mlp", "fc1", "fc2"),
+        (r"(blocks\.\d+|final_layer)\.adaln_proj\.linear\.weight$", ROW),
+    ),
+    heads_in_submodules=True,
+)
+
+KNOWN: tuple[ArchRules, ...] = (WAN, HUNYUAN_VIDEO, LTXAV, LTXV, MINIMAX_H3)
 GENERIC = ArchRules(name="generic", generic=True)
 
 # Text encoders, in the names of ComfyUI's text models (the ``transformer`` of an SDClipModel). Heads are read from

@@ -25,7 +25,10 @@ Nothing here is imported unless ComfyUI runs (or a test imports ComfyUI).
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
+import sys
 
 import torch
 
@@ -63,24 +66,89 @@ def embedding_weights(transformer: torch.nn.Module) -> frozenset:
 
 class TextModelForward(BridgedForward):
     """What the object patch puts in place of a text model's ``forward``: the embedding goes to the devices only if
-    a call passes token ids instead of embeddings."""
+    a call passes token ids instead of embeddings; what a vision-language model computes from its images' host values
+    is computed on the host (``with_image_inputs``), and what its forward records on itself for ComfyUI's code around
+    it is recorded on the host (``record_host_values``)."""
 
     def __call__(self, *args, **kwargs):
         ids = args[0] if args else next((kwargs[k] for k in ("input_ids", "input_tokens", "x") if k in kwargs), None)
         if ids is not None and kwargs.get("embeds") is None and self.bridged.skip_weights:
-            self.bridged.include_weights(self.bridged.skip_weights)
-        return super().__call__(*args, **kwargs)
+            self.bridged.include_weights(embedding_weights(self.bridged.module))
+        kwargs = with_image_inputs(self.bridged.module, kwargs)
+        out = super().__call__(*args, **kwargs)
+        record_host_values(self.bridged.module, ids, kwargs)
+        return out
+
+
+# Arguments of a text model's forward whose tensors are constants of its program: where a vision-language model puts
+# its image features among the tokens (a boolean mask its code indexes with).
+TEXT_CONSTANT_ARGUMENTS = ("visual_pos_masks",)
+
+
+def with_image_inputs(transformer: torch.nn.Module, kwargs: dict) -> dict:
+    """The keyword arguments of a call of a vision-language text model (Qwen2.5-VL / Qwen3-VL: ``build_image_inputs``)
+    with what its forward would compute from the images' host values computed here, as its own code does: the
+    multimodal RoPE positions (from each image's patch grid), the image positions' mask and DeepStack's per-layer
+    features. The program then takes them as inputs (the mask as a constant), and the images' grids stay out of it."""
+    build = getattr(transformer, "build_image_inputs", None)
+    info = kwargs.get("embeds_info") or []
+    embeds = kwargs.get("embeds")
+    if not callable(build) or embeds is None or kwargs.get("position_ids") is not None or not any(
+            isinstance(e, dict) and e.get("type") == "image" for e in info):
+        return kwargs
+    position_ids, masks, deepstack = build(embeds, info)
+    return {**kwargs, "position_ids": position_ids, "visual_pos_masks": masks, "deepstack_embeds": deepstack,
+            "embeds_info": [{k: v for k, v in e.items() if k != "extra"} for e in info]}
+
+
+# What text models' forwards record on themselves for the code around them (``record_host_values``).
+HOST_RECORDED = ("last_token_tags",)
+
+
+def record_host_values(transformer: torch.nn.Module, ids, kwargs: dict) -> None:
+    """What a text model's forward records on itself for the code around it to read after the encode, recorded as its
+    forward records it (a program leaves the model's own state as it was). MiniMax H3's Qwen3-VL: the tokens'
+    modality tags (``token_tags_from_embeds_info``: vision blocks 0, text 1), which its CLIP model returns beside the
+    embeddings."""
+    code = sys.modules.get(type(transformer).__module__)
+    tags = getattr(code, "token_tags_from_embeds_info", None)
+    if callable(tags):
+        embeds = kwargs.get("embeds")
+        seq = embeds.shape[1] if embeds is not None else ids.shape[1]
+        transformer.last_token_tags = tags(seq, kwargs.get("embeds_info") or [])
+
+
+def vision_tower(transformer: torch.nn.Module) -> torch.nn.Module | None:
+    """A vision-language text model's vision tower (Qwen2.5-VL, Qwen3-VL: ``visual``, called with the images' patches
+    and their patch grids while ComfyUI prepares the prompt's embeddings), or None."""
+    visual = getattr(transformer, "visual", None)
+    if not isinstance(visual, torch.nn.Module):
+        return None
+    try:
+        parameters = inspect.signature(type(visual).forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return visual if "grid_thw" in parameters else None
+
+
+def _weights_of(module: torch.nn.Module, prefix: str) -> frozenset:
+    names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
+    names += [n for n, _ in module.named_buffers(remove_duplicate=False)]
+    return frozenset(prefix + n for n in names)
 
 
 def _text_forward(cond_stage_model, name: str, module: torch.nn.Module, settings: BridgeSettings) -> TextModelForward:
     transformer = module.transformer
     label = f"{type(transformer).__name__} ({name})" if name else type(transformer).__name__
+    visual = vision_tower(transformer)
 
     def build() -> TextModelForward:
+        skipped = embedding_weights(transformer) | (_weights_of(visual, "visual.") if visual is not None else set())
         bridged = BridgedModule(
             module=transformer, method=type(transformer).forward, rules=text_rules_for(transformer),
             mesh_spec=settings.mesh, attention=settings.attention, options_arg=None, recorded_args=("num_tokens",),
-            trace_context=lambda: comfy_attention_on_runtime(transformer), skip_weights=embedding_weights(transformer),
+            device_constant_args=TEXT_CONSTANT_ARGUMENTS, host_recorded=HOST_RECORDED,
+            trace_context=lambda: comfy_attention_on_runtime(transformer), skip_weights=frozenset(skipped),
             label=label, memory_hint="Split the text encoder over more devices (a larger slice; mesh auto puts its "
                                      "attention heads on tp).",
         )
@@ -88,6 +156,35 @@ def _text_forward(cond_stage_model, name: str, module: torch.nn.Module, settings
         return TextModelForward(bridged, cond_stage_model, prefix=prefix)
 
     return held_forward(cond_stage_model, f"{name}.transformer", settings, build)
+
+
+@contextlib.contextmanager
+def _constants_evaluated(context):
+    """``context`` entered, and what the traced code computes from constants alone (a vision tower's positions and
+    interpolation indices, from its patch grid) computed while it is traced (``jax.ensure_compile_time_eval``): its
+    code reads such values back as Python numbers (``.tolist()``)."""
+    import jax
+
+    with context, jax.ensure_compile_time_eval():
+        yield
+
+
+def _vision_forward(cond_stage_model, name: str, visual: torch.nn.Module, settings: BridgeSettings) -> BridgedForward:
+    """A vision tower as a program of its own: one per image size (its patch grid, a constant of the program: the
+    tower's code computes its positions from it on the host)."""
+    label = f"{type(visual).__name__} ({name})" if name else type(visual).__name__
+
+    def build() -> BridgedForward:
+        bridged = BridgedModule(
+            module=visual, method=type(visual).forward, rules=text_rules_for(visual), mesh_spec=settings.mesh,
+            attention=settings.attention, options_arg=None, constant_args=("grid_thw",),
+            trace_context=lambda: _constants_evaluated(comfy_attention_on_runtime(visual)), label=label,
+            memory_hint="Split the vision tower over more devices (a larger slice), or use smaller images.",
+        )
+        prefix = f"{name}.transformer.visual." if name else "transformer.visual."
+        return BridgedForward(bridged, cond_stage_model, prefix=prefix)
+
+    return held_forward(cond_stage_model, f"{name}.transformer.visual", settings, build)
 
 
 def text_encoder_on_runtime(clip, settings: BridgeSettings):
@@ -107,9 +204,13 @@ def text_encoder_on_runtime(clip, settings: BridgeSettings):
         forward = _text_forward(cond_stage_model, name, module, settings)
         key = f"{name}.transformer.forward" if name else "transformer.forward"
         clone.patcher.add_object_patch(key, forward)
+        visual = vision_tower(module.transformer)
+        if visual is not None:
+            clone.patcher.add_object_patch(key.replace(".forward", ".visual.forward"),
+                                           _vision_forward(cond_stage_model, name, visual, settings))
     return clone
 
 
 def bridged_text_models(clip) -> dict[str, BridgedModule]:
-    """The bridged modules behind a TPU Text Encoder's output, by object patch key."""
-    return {k: v.bridged for k, v in clip.patcher.object_patches.items() if isinstance(v, TextModelForward)}
+    """The bridged modules behind a TPU Text Encoder's output (text models and vision towers), by object patch key."""
+    return {k: v.bridged for k, v in clip.patcher.object_patches.items() if isinstance(v, BridgedForward)}

@@ -42,14 +42,15 @@ def save_diffusion_model(module: torch.nn.Module, path: Path, seed: int, dtype=t
     return path
 
 
-def tiny_wan(kind: str = "t2v", dim: int = 128, layers: int = 2, in_dim: int = 16, **extra) -> torch.nn.Module:
+def tiny_wan(kind: str = "t2v", dim: int = 128, layers: int = 2, in_dim: int = 16, out_dim: int = 16,
+             **extra) -> torch.nn.Module:
     """ComfyUI's Wan classes at a tiny size (heads = dim / 128, as ComfyUI's detection reads them); ``kind`` is a
-    ``WanModel`` model type (t2v, i2v, ...) or "vace"."""
+    ``WanModel`` model type (t2v, i2v, ...) or "vace"; Wan 2.2 TI2V-5B is a t2v with 48 channels in and out."""
     import comfy.ldm.wan.model as wan
     import comfy.ops
 
     common = dict(dim=dim, ffn_dim=2 * dim, num_heads=max(1, dim // 128), num_layers=layers, in_dim=in_dim,
-                  out_dim=16, text_dim=4096, operations=comfy.ops.disable_weight_init)
+                  out_dim=out_dim, text_dim=4096, operations=comfy.ops.disable_weight_init)
     if kind == "vace":
         return wan.VaceWanModel(vace_layers=extra.get("vace_layers", 1), vace_in_dim=96, **common)
     return wan.WanModel(model_type=kind, **common, **extra)
@@ -71,6 +72,7 @@ def _reduced(namespace, name: str, **overrides):
             super().__init__(*args, **kwargs)
 
     Reduced.__name__ = Reduced.__qualname__ = original.__name__
+    Reduced.__module__ = original.__module__
     setattr(namespace, name, Reduced)
     try:
         yield Reduced
@@ -351,6 +353,49 @@ def tiny_ltxav(**overrides) -> tuple[torch.nn.Module, dict]:
     return module, {"config": json.dumps({"transformer": config})}
 
 
+def tiny_minimax_h3(hidden: int = 128, heads: int = 2, head_dim: int = 64, layers: int = 2, refiner_layers: int = 1,
+                    text_dim: int = 64, curve: bool = False) -> torch.nn.Module:
+    """ComfyUI 0.33's MiniMax H3 audio-video DiT (``MiniMaxH3Model``) at a tiny size, as ComfyUI's detection reads it
+    from the weights: ``curve`` is the form whose adaLN reads a precomputed time-embedding curve (``adaln_t_table``)
+    instead of a time embedder. Its RoPE covers 3 x 2 x 8 = 48 of each head's widths (the released one 96 of 128).
+    Save it with ``save_minimax_h3``: the checkpoint's RoPE frequencies are real ones."""
+    import comfy.ldm.minimax.model as minimax
+    import comfy.ops
+
+    extra = {"adaln_curve_grid": 33} if curve else {"timestep_input_dim": 32, "time_embed_hidden_size": 2 * hidden}
+    return minimax.MiniMaxH3Model(hidden_size=hidden, num_layers=layers, token_refiner_num_layers=refiner_layers,
+                                  num_attention_heads=heads, attention_head_dim=head_dim, ffn_hidden_size=2 * hidden,
+                                  text_dim=text_dim, time_embed_dim=64, rope_inv_freq_len=8, **extra,
+                                  operations=comfy.ops.disable_weight_init)
+
+
+def minimax_h3_state(module: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Random weights for a MiniMax H3 DiT (``tiny_minimax_h3``) with the checkpoint's RoPE frequencies in their real
+    form (a geometric series per axis) and a smooth time-embedding curve where the model reads one."""
+    state = random_state(module, seed)
+    n = state["rope.inv_freq"].shape[0]
+    state["rope.inv_freq"] = 1.0 / (256.0 ** (torch.arange(n, dtype=torch.float32) / n))
+    if "adaln_t_table" in state:
+        grid, width = state["adaln_t_table"].shape
+        t = torch.linspace(0.0, 1.0, grid)[:, None]
+        g = torch.Generator().manual_seed(seed + 1)
+        state["adaln_t_table"] = torch.sin(t * torch.randn(1, width, generator=g) * 3.0) + 0.1 * torch.randn(
+            1, width, generator=g)
+    return state
+
+
+def save_minimax_h3(module: torch.nn.Module, path: Path, seed: int, dtype=torch.float32) -> Path:
+    """A MiniMax H3 DiT as ComfyUI's diffusion-model file (``minimax_h3_state``); its output heads and patch
+    projections stay float32 as in the released files."""
+    from safetensors.torch import save_file
+
+    keep = ("video_patch_proj", "audio_patch_proj", "final_layer.video_out", "final_layer.audio_out", "rope.",
+            "adaln_t_table")
+    state = {k: (v if k.startswith(keep) else v.to(dtype)) for k, v in minimax_h3_state(module, seed).items()}
+    save_file({f"model.diffusion_model.{k}": v.contiguous() for k, v in state.items()}, str(path))
+    return path
+
+
 def tiny_hunyuan_video_15(hidden: int = 128, context: int = 64, depth: int = 2) -> torch.nn.Module:
     """ComfyUI's HunyuanVideo class as HunyuanVideo 1.5 builds it (comfy/ldm/hunyuan_video/model.py with 0.33's
     options): 32 latent channels taken with the image condition and its mask (65 in), patch 1x1x1, double blocks
@@ -434,6 +479,9 @@ def tiny_audio_vae(seed: int = 0):
     return comfy.sd.VAE(sd=state, metadata=metadata)
 
 
+HUNYUAN_VIDEO_15_VAE_TINY = {"block_out_channels": [8, 16, 16, 64, 64]}  # the last two: twice the latent channels
+
+
 def tiny_hunyuan_video_15_vae(seed: int = 0, dtype=torch.float32):
     """HunyuanVideo 1.5's VAE (comfy/ldm/hunyuan_video/vae_refiner.py: 32 latent channels, 16x in space, 4x in time)
     as ComfyUI's VAE object, made by its own loader, at reduced widths (ComfyUI builds it at a fixed size)."""
@@ -441,7 +489,7 @@ def tiny_hunyuan_video_15_vae(seed: int = 0, dtype=torch.float32):
     import comfy.sd
     from comfy.ldm.models.autoencoder import AutoencodingEngine
 
-    widths = dict(block_out_channels=[8, 16, 16, 64, 64])  # the last two: twice the latent channels at least
+    widths = HUNYUAN_VIDEO_15_VAE_TINY
     config = {"block_out_channels": [128, 256, 512, 1024, 1024], "in_channels": 3, "out_channels": 3,
               "num_res_blocks": 2, "ffactor_spatial": 16, "ffactor_temporal": 4, "downsample_match_channel": True,
               "upsample_match_channel": True, "z_channels": 32}
@@ -507,3 +555,606 @@ def tiny_ltxav_text_encoder(seed: int = 0, dtype=torch.float32, layers: int = 2,
     if missing or unexpected:
         raise RuntimeError(f"tiny LTX-2 text encoder: {missing[:5]} missing, {unexpected[:5]} unexpected")
     return clip
+
+
+# --- quantized files, as ComfyUI 0.33 writes them ---------------------------------------------------------------------
+def quantize(weight: torch.Tensor, fmt: str, **conf) -> tuple[dict, dict]:
+    """A weight as ComfyUI's quantizer stores it for format ``fmt`` (a key of its QUANT_ALGOS): the tensors by key
+    suffix ("weight", "weight_scale", "weight_scale_2") and the layer's ``comfy_quant`` entry. ``convrot``: the
+    weight rotated, then quantized per output row (int8 ConvRot)."""
+    from comfy.quant_ops import QUANT_ALGOS, QuantizedTensor
+
+    options = {"scale": "recalculate"} if fmt.startswith("float8") or fmt == "nvfp4" else {}
+    if conf.get("convrot"):
+        options.update(per_channel=True, convrot=True, convrot_groupsize=conf["convrot_groupsize"])
+    q = QuantizedTensor.from_float(weight, QUANT_ALGOS[fmt]["comfy_tensor_layout"], **options)
+    tensors = {k: v.view(torch.uint8) if v.dtype == torch.float8_e8m0fnu else v  # e8m0 scales stored as their bytes
+               for k, v in q.state_dict("weight").items()}
+    return tensors, {"format": fmt, **conf}
+
+
+def save_quantized(state: dict, path, formats, prefix: str = "", extra: dict | None = None, awq_seed: int | None = None,
+                   layer_entries: bool = False):
+    """``state`` (float weights) saved with the linear weights ``formats(name)`` names quantized: (fmt, conf) or
+    None to keep a weight as it is. ``awq_seed``: every quantized layer also carries an AWQ smoothing scale
+    (``pre_quant_scale``, ModelOpt's: ComfyUI multiplies the layer's input by it), random and positive. The layers'
+    formats go into the header's ``_quantization_metadata``, or with ``layer_entries`` into a ``comfy_quant`` tensor
+    per layer (the form ComfyUI's own state dicts write, and the one its VAE loader reads)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(awq_seed or 0)
+    out, layers = dict(extra or {}), {}
+    for key, value in state.items():
+        chosen = formats(key) if key.endswith(".weight") and value.ndim == 2 else None
+        if chosen is None:
+            out[prefix + key] = value
+            continue
+        layer = prefix + key[: -len(".weight")]
+        tensors, layers[layer] = quantize(value, *chosen[:1], **chosen[1])
+        out.update({f"{layer}.{suffix}": tensor for suffix, tensor in tensors.items()})
+        if awq_seed is not None:
+            out[f"{layer}.pre_quant_scale"] = (0.5 + torch.rand(value.shape[1], generator=g)).to(torch.bfloat16)
+    if layer_entries:
+        for layer, conf in layers.items():
+            out[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps(conf).encode("utf-8")), dtype=torch.uint8)
+        save_file(out, str(path))
+        return path
+    save_file(out, str(path), metadata={"_quantization_metadata": json.dumps({"format_version": "1.0",
+                                                                               "layers": layers})})
+    return path
+
+
+# --- MiniMax H3 as its templates load it ------------------------------------------------------------------------------
+# ComfyUI builds MiniMax H3's text encoder (Qwen3-VL 32B cut to 50 layers), video VAE (a 3D CNN encoder and a 2.4B ViT
+# decoder) and audio VAE at fixed sizes, whatever the file holds. ``minimax_h3_reduced`` makes them tiny while it is
+# entered (``shrink_minimax_h3`` for good, in a test's ComfyUI server); the DiT's size is read from its weights.
+QWEN3VL_32B_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+                    "vocab_size": 151936}
+QWEN3VL_VISION_TINY = {"hidden_size": 32, "intermediate_size": 64, "depth": 3, "deepstack_visual_indexes": [0, 1, 2],
+                       "num_heads": 2}
+MINIMAX_AUDIO_VAE_TINY = {"encoder_dim": 8, "latent_dim": 64, "decoder_dim": 256}
+# (ViT decoder, whole VAE): its own spatial tiles 64 pixels wide (256 released), so that small frames are tiled too
+MINIMAX_VIDEO_VAE_TINY = ({"num_layers": 1, "heads": 2, "dim_head": 16},
+                          {"ch": 32, "num_res_blocks": 1, "tile_size": 64, "tile_overlap_min": 16})
+
+
+def _minimax_h3_reductions() -> list[tuple[object, str, object]]:
+    """(namespace, attribute, replacement) for every fixed-size part of MiniMax H3's text encoder and VAEs."""
+    import functools
+
+    import comfy.ldm.minimax.audio_vae as audio
+    import comfy.ldm.minimax.vae as video
+    import comfy.text_encoders.qwen3vl as qwen3vl
+
+    vision = {k: v for k, v in QWEN3VL_VISION_TINY.items() if k != "num_heads"}
+    replaced = [
+        (qwen3vl.QWEN3VL_CONFIGS, "qwen3vl_32b",
+         functools.partial(qwen3vl.QWEN3VL_CONFIGS["qwen3vl_32b"], **QWEN3VL_32B_TINY)),
+        (qwen3vl.QWEN3VL_VISION, "qwen3vl_32b", {**qwen3vl.QWEN3VL_VISION["qwen3vl_32b"], **vision}),
+        (qwen3vl, "QWEN3VL_VISION_COMMON", {**qwen3vl.QWEN3VL_VISION_COMMON,
+                                            "num_heads": QWEN3VL_VISION_TINY["num_heads"]}),
+    ]
+    for namespace, name, overrides in ((video, "ViT3DDecoder", MINIMAX_VIDEO_VAE_TINY[0]),
+                                       (video, "MiniMaxH3VideoVAE", MINIMAX_VIDEO_VAE_TINY[1]),
+                                       (audio, "MiniMaxH3AudioVAE", MINIMAX_AUDIO_VAE_TINY)):
+        with _reduced(namespace, name, **overrides) as cls:
+            replaced.append((namespace, name, cls))
+    return replaced
+
+
+def _set(namespace, name, value):
+    if isinstance(namespace, dict):
+        namespace[name] = value
+    else:
+        setattr(namespace, name, value)
+
+
+def _get(namespace, name):
+    return namespace[name] if isinstance(namespace, dict) else getattr(namespace, name)
+
+
+@contextlib.contextmanager
+def minimax_h3_reduced():
+    """While the block runs, ComfyUI builds MiniMax H3's text encoder and VAEs at the tiny sizes above."""
+    replaced = _minimax_h3_reductions()
+    saved = [(namespace, name, _get(namespace, name)) for namespace, name, _ in replaced]
+    try:
+        for namespace, name, value in replaced:
+            _set(namespace, name, value)
+        yield
+    finally:
+        for namespace, name, value in saved:
+            _set(namespace, name, value)
+
+
+# ComfyUI's Wan 2.2 VAE (comfy/ldm/wan/vae2_2.py) is built at a fixed width too (dim 160, decoder 256).
+WAN22_VAE_TINY = {"dim": 8, "dec_dim": 16}
+
+
+def shrink_wan22_vae() -> None:
+    """ComfyUI builds the Wan 2.2 VAE at the tiny width above from now on (a test's server)."""
+    import comfy.ldm.wan.vae2_2 as module
+
+    with _reduced(module, "WanVAE", **WAN22_VAE_TINY) as cls:
+        pass
+    module.WanVAE = cls
+
+
+def save_wan22_vae(path: Path, seed: int, dtype=torch.bfloat16) -> Path:
+    """A Wan 2.2 VAE file (``wan2.2_vae``), random, at the width ``shrink_wan22_vae`` makes ComfyUI build."""
+    import comfy.ldm.wan.vae2_2 as module
+    from safetensors.torch import save_file
+
+    with _reduced(module, "WanVAE", **WAN22_VAE_TINY) as cls:
+        vae = cls(dim=160, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                  temperal_downsample=[False, True, True])
+    save_file({k: v.to(dtype) for k, v in random_state(vae, seed).items()}, str(path))
+    return path
+
+
+def shrink_minimax_h3() -> None:
+    """ComfyUI builds MiniMax H3's text encoder and VAEs at the tiny sizes above from now on (a test's server)."""
+    for namespace, name, value in _minimax_h3_reductions():
+        _set(namespace, name, value)
+
+
+def _qwen3vl_text_encoder_module(dtype=torch.float32):
+    import comfy.ops
+    import comfy.text_encoders.minimax as minimax
+
+    return minimax.MiniMaxQwen3VL({}, dtype, "cpu", comfy.ops.manual_cast)
+
+
+def save_minimax_h3_text_encoder(path: Path, seed: int, quantized: bool = True) -> Path:
+    """MiniMax H3's text encoder file (``qwen3vl_32b_minimax_h3_nvfp4_awq``: Qwen3-VL's 50 language layers and its
+    vision tower, in the keys ComfyUI's Load CLIP detects), random, at the tiny size (inside ``minimax_h3_reduced``):
+    the language layers' matrices nvfp4 with AWQ smoothing scales, everything else bf16."""
+    from safetensors.torch import save_file
+
+    state = {k: v.to(torch.bfloat16) for k, v in random_state(_qwen3vl_text_encoder_module(), seed).items()}
+    if not quantized:
+        save_file(state, str(path))
+        return path
+
+    def chosen(key):
+        return ("nvfp4", {}) if key.startswith("model.layers.") and "_proj." in key else None
+
+    return save_quantized(state, path, chosen, awq_seed=seed)
+
+
+def save_minimax_h3_video_vae(path: Path, seed: int) -> Path:
+    """MiniMax H3's video VAE file (``minimax_h3_video_vae_int8_convrot``), random, at the tiny size (inside
+    ``minimax_h3_reduced``): the ViT decoder's linear layers int8 with ConvRot (group 16), the rest float32."""
+    import comfy.ldm.minimax.vae as video
+
+    state = random_state(video.MiniMaxH3VideoVAE(), seed)
+    state["latents_std"] = 0.5 + state["latents_std"].abs()
+
+    def chosen(key):
+        return ("int8_tensorwise", {"convrot": True, "convrot_groupsize": 16}) if (
+            key.startswith("decoder.transformer_blocks.")) else None
+
+    return save_quantized(state, path, chosen, layer_entries=True)
+
+
+def save_minimax_h3_audio_vae(path: Path, seed: int) -> Path:
+    """MiniMax H3's audio VAE file (``minimax_h3_audio_vae_fp32``), random, at the tiny size (inside
+    ``minimax_h3_reduced``)."""
+    import comfy.ldm.minimax.audio_vae as audio
+    from safetensors.torch import save_file
+
+    module = audio.MiniMaxH3AudioVAE()
+    state = random_state(module, seed)
+    state["latents_std"] = 0.5 + state["latents_std"].abs()
+    # the anti-aliasing filters are the module's own windowed sincs (random ones would amplify every rounding of the
+    # vocoder's twenty-odd resampling stages into a chaotic output)
+    state.update({k: v for k, v in module.state_dict().items() if k.endswith(".filter")})
+    # and its residual blocks add little to their input, so that the signal keeps its size through the stages as a
+    # trained vocoder's does (random ones double it at every stage, and a snake activation of large values turns
+    # each rounding into a large difference)
+    for key in [k for k in state if k.startswith("decoder.resblocks.") and ".convs2." in k]:
+        state[key] = state[key] * 0.1
+    save_file(state, str(path))
+    return path
+
+
+def save_minimax_h3_dit(path: Path, seed: int, curve: bool = True) -> Path:
+    """MiniMax H3's DiT file as its templates name it (``minimax_h3_fl2va_pruned_int8_convrot``: the pruned, curve
+    form), tiny, its blocks' attention and feed-forward matrices int8 with ConvRot (group 16), the rest float32; its
+    condition projection reads the tiny Qwen3-VL's width."""
+    module = tiny_minimax_h3(curve=curve, text_dim=QWEN3VL_32B_TINY["hidden_size"])
+
+    def chosen(key):
+        return ("int8_tensorwise", {"convrot": True, "convrot_groupsize": 16}) if key.startswith("blocks.") and (
+            ".attn." in key or ".mlp." in key) else None
+
+    return save_quantized(minimax_h3_state(module, seed), path, chosen, prefix="model.diffusion_model.")
+
+
+def minimax_h3_lora(module: torch.nn.Module, seed: int, rank: int = 4) -> dict[str, torch.Tensor]:
+    """A LoRA in ComfyUI's key names for the attention and feed-forward matrices of a MiniMax H3 DiT's blocks (as
+    the turbo LoRAs of its templates touch them)."""
+    import re
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, sub in module.named_modules():
+        if hasattr(sub, "in_features") and re.match(r"blocks\.\d+\.(attn|mlp)\.", name):
+            key = f"diffusion_model.{name}"
+            out[f"{key}.lora_down.weight"] = torch.randn(rank, sub.in_features, generator=g) * 0.05
+            out[f"{key}.lora_up.weight"] = torch.randn(sub.out_features, rank, generator=g) * 0.05
+    return out
+
+
+# --- SAM 3 / 3.1 (segmentation and video tracking) as a checkpoint loader loads it --------------------------------------
+# ComfyUI builds SAM 3's detector, tracker and text encoder at fixed sizes (a 1024-wide 32-block ViT over 1008x1008
+# frames, 256-wide heads, a 24-layer CLIP text encoder). ``sam3_reduced`` makes them tiny while it is entered
+# (``shrink_sam3`` for good, in a test's ComfyUI server); the frame size (1008, 72x72 patches) stays the class's.
+SAM3_TINY_WIDTH = 32  # the ViT's width, the text encoder's (its resizer reads one as the other) and the heads'
+SAM3_TINY_VIT = {"depth": 2, "num_heads": 2, "global_att_blocks": (1,)}
+SAM3_TINY_TEXT = {"hidden_size": SAM3_TINY_WIDTH, "intermediate_size": 64, "num_attention_heads": 2,
+                  "num_hidden_layers": 1}
+# one layer and one head where attention runs over all 72x72 patches of a frame (and of the frames in memory)
+SAM3_TINY_HEADS = {"d_model": SAM3_TINY_WIDTH, "num_heads": 1, "enc_layers": 1, "dec_layers": 1, "dim_ff": 64}
+SAM3_TINY_MEMORY_ATTENTION = {"num_heads": 1, "num_layers": 1, "dim_ff": 64}
+SAM3_TINY_MEMORY_CHANNELS = [4, 8, 16, 32]  # the tracker's mask downsampler (1152x1152 masks to 72x72)
+
+
+def _sam3_reductions() -> list[tuple[object, str, object]]:
+    """(namespace, attribute, replacement) for every fixed-size part of SAM 3's detector, tracker and text encoder."""
+    import comfy.ldm.sam3.detector as detector
+    import comfy.ldm.sam3.sam as sam
+    import comfy.ldm.sam3.tracker as tracker
+    import comfy.text_encoders.sam3_clip as sam3_clip
+
+    replaced = [(sam3_clip, "SAM3_CLIP_CONFIG", {**sam3_clip.SAM3_CLIP_CONFIG, **SAM3_TINY_TEXT})]
+    reductions = (
+        (sam, "ViTDet", SAM3_TINY_VIT),
+        # 16 object queries, not 200: a random detector finds every query above the threshold, and the tracker's
+        # non-maximum suppression compares every pair of their masks
+        (detector, "SAM3Detector", {"d_model": SAM3_TINY_WIDTH, "embed_dim": SAM3_TINY_WIDTH, "num_queries": 16}),
+        (detector, "Transformer", SAM3_TINY_HEADS),
+        (tracker, "SAM3Tracker", {"d_model": SAM3_TINY_WIDTH, "mem_dim": SAM3_TINY_WIDTH}),
+        (tracker, "SAM31Tracker", {"d_model": SAM3_TINY_WIDTH, "mem_dim": SAM3_TINY_WIDTH}),
+        (tracker, "MemoryBackbone", {"channels": SAM3_TINY_MEMORY_CHANNELS}),
+        (tracker, "MemoryTransformer", SAM3_TINY_MEMORY_ATTENTION),
+        (tracker, "DecoupledMemoryTransformer", SAM3_TINY_MEMORY_ATTENTION),
+    )
+    for namespace, name, overrides in reductions:
+        with _reduced(namespace, name, **overrides) as cls:
+            replaced.append((namespace, name, cls))
+    trackers = {name: cls for namespace, name, cls in replaced if namespace is tracker and name.endswith("Tracker")}
+    # the detector picks its tracker class from a table made at import
+    replaced += [(detector.TRACKER_CLASSES, "SAM3", trackers["SAM3Tracker"]),
+                 (detector.TRACKER_CLASSES, "SAM31", trackers["SAM31Tracker"])]
+    return replaced
+
+
+@contextlib.contextmanager
+def _replaced(replaced: list[tuple[object, str, object]]):
+    """While the block runs, each (namespace, attribute) holds its replacement; the originals afterwards."""
+    saved = [(namespace, name, _get(namespace, name)) for namespace, name, _ in replaced]
+    try:
+        for namespace, name, value in replaced:
+            _set(namespace, name, value)
+        yield
+    finally:
+        for namespace, name, value in reversed(saved):
+            _set(namespace, name, value)
+
+
+def sam3_reduced():
+    """While the block runs, ComfyUI builds SAM 3's detector, tracker and text encoder at the tiny sizes above."""
+    return _replaced(_sam3_reductions())
+
+
+def shrink_sam3() -> None:
+    """ComfyUI builds SAM 3 at the tiny sizes above from now on (a test's server)."""
+    for namespace, name, value in _sam3_reductions():
+        _set(namespace, name, value)
+
+
+def _open_clip_text_names(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """A CLIP text model's transformers names (``text_model.…``) as open_clip writes them (SAM 3's checkpoint: fused
+    attention projections, ``transformer.resblocks.N``), under ``prefix``: what ComfyUI's loader converts back."""
+    renames = {"layer_norm1": "ln_1", "layer_norm2": "ln_2", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj",
+               "self_attn.out_proj": "attn.out_proj"}
+    out, fused = {}, {}
+    for key, value in state.items():
+        name = key.removeprefix("text_model.")
+        if name == "embeddings.position_embedding.weight":
+            out[prefix + "positional_embedding"] = value
+        elif name == "embeddings.token_embedding.weight":
+            out[prefix + "token_embedding.weight"] = value
+        elif name.startswith("final_layer_norm."):
+            out[prefix + "ln_final." + name.rsplit(".", 1)[1]] = value
+        elif name.startswith("encoder.layers."):
+            layer, rest = name[len("encoder.layers."):].split(".", 1)
+            part, kind = rest.rsplit(".", 1)
+            if part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                fused.setdefault((layer, kind), {})[part] = value
+            else:
+                out[f"{prefix}transformer.resblocks.{layer}.{renames[part]}.{kind}"] = value
+        else:
+            out[prefix + name] = value
+    for (layer, kind), parts in fused.items():
+        out[f"{prefix}transformer.resblocks.{layer}.attn.in_proj_{kind}"] = torch.cat(
+            [parts[f"self_attn.{p}_proj"] for p in "qkv"])
+    return out
+
+
+def save_sam3(path: Path, seed: int, multiplex: bool = True, dtype=torch.float16) -> Path:
+    """SAM 3.1's checkpoint as its templates name it (``sam3.1_multiplex_fp16``: the detector with its multiplex
+    propagation convolutions, the multiplex tracker and the CLIP text encoder, in the released key layout), random,
+    at the tiny size (inside ``sam3_reduced``). ``multiplex=False``: SAM 3."""
+    import comfy.ldm.sam3.detector as detector
+    import comfy.ops
+    import comfy.text_encoders.sam3_clip as sam3_clip
+    from safetensors.torch import save_file
+
+    model = detector.SAM3Model(operations=comfy.ops.disable_weight_init, image_model="SAM31" if multiplex else "SAM3")
+    state = random_state(model, seed)
+    text = sam3_clip.SAM3ClipModel(dtype=torch.float32)
+    text_state = random_state(text.transformer, seed + 1)
+    state.update(_open_clip_text_names(text_state, "detector.backbone.language_backbone.encoder."))
+    save_file({k: v.to(dtype).contiguous() for k, v in state.items()}, str(path))
+    return path
+
+
+# --- other Wan-based video models, as their templates load them --------------------------------------------------------
+INT8_CONVROT = ("int8_tensorwise", {"convrot": True, "convrot_groupsize": 16})
+
+
+def save_int8_convrot_blocks(module: torch.nn.Module, path: Path, seed: int, blocks: str = "blocks.") -> Path:
+    """A diffusion model file as the ``*_int8_convrot`` releases lay it out: the linear matrices of its transformer
+    blocks (names starting with ``blocks``) int8 with ConvRot (group 16), everything else float32, random."""
+
+    def chosen(key):
+        return INT8_CONVROT if key.startswith(blocks) else None
+
+    return save_quantized(random_state(module, seed), path, chosen, prefix="model.diffusion_model.")
+
+
+def tiny_scail(dim: int = 128, layers: int = 1, scail2: bool = True) -> torch.nn.Module:
+    """ComfyUI's SCAIL / SCAIL-2 class (comfy/ldm/wan/model.py: an I2V Wan whose pose latents, and with SCAIL-2 the
+    28-channel identity masks, are patch-embedded beside the video's tokens) at a tiny width; 20 input channels (the
+    latent and its 4-channel mask) as the released ones."""
+    import comfy.ldm.wan.model as wan
+    import comfy.ops
+
+    cls = wan.SCAIL2WanModel if scail2 else wan.SCAILWanModel
+    return cls(dim=dim, ffn_dim=2 * dim, num_heads=max(1, dim // 128), num_layers=layers, in_dim=20, out_dim=16,
+               text_dim=4096, operations=comfy.ops.disable_weight_init)
+
+
+# --- SeedVR2 (video upscaling) as its template loads it ---------------------------------------------------------------
+# ComfyUI tells SeedVR2 3B from its 32nd block and builds it at its released width (2560, 20 heads of 128), and its
+# VAE at fixed widths (128 to 512 channels): ``seedvr2_reduced`` makes both tiny while it is entered
+# (``shrink_seedvr2`` for good, in a test's server); the 32 blocks stay (detection reads the last one).
+SEEDVR2_TINY = {"vid_dim": 64, "heads": 2, "head_dim": 32, "rope_dim": 32}
+SEEDVR2_TINY_VAE_CHANNELS = (32, 32, 32, 32)  # group-normalised in groups of 32
+
+
+def _seedvr2_reductions() -> list[tuple[object, str, object]]:
+    import comfy.ldm.seedvr.model as model
+    import comfy.ldm.seedvr.vae as vae
+
+    with _reduced(model, "NaDiT", **SEEDVR2_TINY) as cls:
+        return [(model, "NaDiT", cls), (vae, "BYTEDANCE_BLOCK_OUT_CHANNELS", SEEDVR2_TINY_VAE_CHANNELS)]
+
+
+def seedvr2_reduced():
+    """While the block runs, ComfyUI builds SeedVR2's DiT and VAE at the tiny sizes above."""
+    return _replaced(_seedvr2_reductions())
+
+
+def shrink_seedvr2() -> None:
+    """ComfyUI builds SeedVR2 at the tiny sizes above from now on (a test's server)."""
+    for namespace, name, value in _seedvr2_reductions():
+        _set(namespace, name, value)
+
+
+def tiny_seedvr2() -> torch.nn.Module:
+    """SeedVR2 3B's DiT (``NaDiT``) as ComfyUI's detection configures it, at the tiny size (inside
+    ``seedvr2_reduced``)."""
+    import comfy.ldm.seedvr.model as model
+    import comfy.ops
+
+    return model.NaDiT(norm_eps=1e-5, num_layers=32, mlp_type="swiglu", vid_out_norm=True, image_model="seedvr2",
+                       operations=comfy.ops.disable_weight_init)
+
+
+def save_seedvr2_vae(path: Path, seed: int, dtype=torch.float16) -> Path:
+    """SeedVR2's VAE file (``seedvr2_ema_vae_fp16``), random, at the tiny widths (inside ``seedvr2_reduced``)."""
+    import comfy.ldm.seedvr.vae as vae
+    from safetensors.torch import save_file
+
+    state = random_state(vae.VideoAutoencoderKLWrapper(), seed)
+    save_file({k: v.to(dtype).contiguous() for k, v in state.items()}, str(path))
+    return path
+
+
+# --- audio encoders (wav2vec2) as Load Audio Encoder loads them, and the audio-driven Wan models -------------------------
+# ComfyUI reads a wav2vec2 file's width and builds its large (1024 wide, 24 layers: Wan 2.2 S2V's) or base (768, 12:
+# InfiniteTalk's Chinese one) configuration. A test's server takes these tiny widths as those (``shrink_wav2vec2``):
+# the same configuration flags, two layers, four heads. Its convolutional feature encoder (512 channels) is the class's.
+WAV2VEC2_CONFIGS = {  # ComfyUI's (comfy/audio_encoders/audio_encoders.py), by released width
+    1024: {"conv_norm": True, "conv_bias": True, "do_normalize": True, "do_stable_layer_norm": True},
+    768: {"conv_norm": False, "conv_bias": False, "do_normalize": False, "do_stable_layer_norm": False},
+}
+WAV2VEC2_TINY = {1024: {"embed_dim": 64, "num_heads": 4, "num_layers": 2},
+                 768: {"embed_dim": 48, "num_heads": 4, "num_layers": 2}}
+
+
+def _wav2vec2_config(released_width: int) -> dict:
+    return {"model_type": "wav2vec2", **WAV2VEC2_TINY[released_width], **WAV2VEC2_CONFIGS[released_width]}
+
+
+def shrink_wav2vec2() -> None:
+    """Load Audio Encoder builds a wav2vec2 file of a tiny width (``WAV2VEC2_TINY``) with ComfyUI's configuration of
+    the released width it stands for, from now on (a test's server); any other file as ComfyUI does."""
+    import logging
+
+    import comfy.audio_encoders.audio_encoders as audio_encoders
+    import comfy.utils
+
+    original = audio_encoders.load_audio_encoder_from_sd
+    tiny_widths = {config["embed_dim"]: width for width, config in WAV2VEC2_TINY.items()}
+
+    def load_audio_encoder_from_sd(sd, prefix=""):
+        sd = comfy.utils.state_dict_prefix_replace(sd, {"wav2vec2.": ""})
+        norm = sd.get("encoder.layer_norm.bias")
+        if norm is None or norm.shape[0] not in tiny_widths:
+            return original(sd, prefix)
+        encoder = audio_encoders.AudioEncoderModel(_wav2vec2_config(tiny_widths[norm.shape[0]]))
+        missing, unexpected = encoder.load_sd(sd)
+        if missing or unexpected:
+            logging.warning("tiny wav2vec2: missing %s, unexpected %s", missing, unexpected)
+        return encoder
+
+    audio_encoders.load_audio_encoder_from_sd = load_audio_encoder_from_sd
+
+
+def save_wav2vec2(path: Path, seed: int, released_width: int = 1024, dtype=torch.float16) -> Path:
+    """A wav2vec2 file as Load Audio Encoder reads it (``wav2vec2_large_english_fp16``: 1024; the Chinese base one:
+    768), random, at the tiny width that stands for it."""
+    import comfy.ops
+    from comfy.audio_encoders.wav2vec2 import Wav2Vec2Model
+    from safetensors.torch import save_file
+
+    config = {k: v for k, v in _wav2vec2_config(released_width).items() if k != "model_type"}
+    model = Wav2Vec2Model(**config, operations=comfy.ops.disable_weight_init)
+    save_file({k: v.to(dtype).contiguous() for k, v in random_state(model, seed).items()}, str(path))
+    return path
+
+
+# Wan 2.2 S2V reads wav2vec2 large's 25 hidden states (1024 wide) whatever its file holds: at the tiny wav2vec2's
+# width and count in a test's server (``shrink_wan_s2v``).
+WAN_S2V_TINY_AUDIO = {"audio_dim": WAV2VEC2_TINY[1024]["embed_dim"],
+                      "audio_layers": WAV2VEC2_TINY[1024]["num_layers"] + 1}
+
+
+def _wan_s2v_reductions() -> list[tuple[object, str, object]]:
+    import comfy.ldm.wan.model as wan
+
+    with _reduced(wan, "WanModel_S2V", audio_dim=WAN_S2V_TINY_AUDIO["audio_dim"]) as s2v, \
+            _reduced(wan, "CausalAudioEncoder", num_layers=WAN_S2V_TINY_AUDIO["audio_layers"]) as audio:
+        return [(wan, "WanModel_S2V", s2v), (wan, "CausalAudioEncoder", audio)]
+
+
+def wan_s2v_reduced():
+    """While the block runs, ComfyUI builds Wan 2.2 S2V's audio input at the tiny wav2vec2's size."""
+    return _replaced(_wan_s2v_reductions())
+
+
+def shrink_wan_s2v() -> None:
+    """ComfyUI builds Wan 2.2 S2V's audio input at the tiny wav2vec2's size from now on (a test's server)."""
+    for namespace, name, value in _wan_s2v_reductions():
+        _set(namespace, name, value)
+
+
+def tiny_wan_s2v(dim: int = 128, layers: int = 2) -> torch.nn.Module:
+    """ComfyUI's Wan 2.2 S2V class (``WanModel_S2V``: audio tokens from wav2vec2's hidden states, injected into the
+    blocks; the reference and motion frames) at a tiny width, its audio input at the tiny wav2vec2's."""
+    import comfy.ldm.wan.model as wan
+    import comfy.ops
+
+    with wan_s2v_reduced():
+        return wan.WanModel_S2V(dim=dim, ffn_dim=2 * dim, num_heads=max(1, dim // 128), num_layers=layers,
+                                text_dim=4096, operations=comfy.ops.disable_weight_init)
+
+
+# --- HunyuanVideo 1.5 (and Capybara, its edit and I2V fine-tune) as their templates load them --------------------------
+# ComfyUI builds Qwen 2.5-VL 7B (the text model and its vision tower) and the 1.5 VAE at fixed sizes: at these in a
+# test's server (``shrink_hunyuan_video_15``; four Qwen layers: HunyuanVideo 1.5 reads the third from last). The Qwen
+# keys' width ComfyUI tells the 7B by (k_proj: 4 heads x 128) and the widths the DiT reads (ByT5's 1472, SigLIP's
+# 1152) stay; ByT5 and SigLIP 384 come from configuration files, which a test's ComfyUI copy gets with these entries
+# (their layers cut; SigLIP's file names the 23rd layer detection reads).
+QWEN25_7B_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                  "num_key_value_heads": 4}
+QWEN25_VL_VISION_TINY = {"hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "num_layers": 1}
+BYT5_SMALL_GLYPH_TINY = {"num_layers": 1, "d_ff": 64}
+SIGLIP_384_TINY = {"num_hidden_layers": 2, "intermediate_size": 64}
+SIGLIP_384_DETECTED_LAYER = "vision_model.encoder.layers.22.layer_norm1.weight"
+
+
+def _hunyuan_video_15_reductions() -> list[tuple[object, str, object]]:
+    import functools
+
+    import comfy.ldm.hunyuan_video.vae_refiner as refiner
+    import comfy.text_encoders.llama as llama
+    import comfy.text_encoders.qwen_vl as qwen_vl
+
+    replaced = [(llama, "Qwen25_7BVLI_Config", functools.partial(llama.Qwen25_7BVLI_Config, **QWEN25_7B_TINY))]
+    for namespace, name, overrides in ((qwen_vl, "Qwen2VLVisionTransformer", QWEN25_VL_VISION_TINY),
+                                       (refiner, "Encoder", HUNYUAN_VIDEO_15_VAE_TINY),
+                                       (refiner, "Decoder", HUNYUAN_VIDEO_15_VAE_TINY)):
+        with _reduced(namespace, name, **overrides) as cls:
+            replaced.append((namespace, name, cls))
+    return replaced
+
+
+def hunyuan_video_15_reduced():
+    """While the block runs, ComfyUI builds Qwen 2.5-VL 7B and HunyuanVideo 1.5's VAE at the tiny sizes above."""
+    return _replaced(_hunyuan_video_15_reductions())
+
+
+def shrink_hunyuan_video_15() -> None:
+    """ComfyUI builds Qwen 2.5-VL 7B and HunyuanVideo 1.5's VAE at the tiny sizes above from now on (a test's server)."""
+    for namespace, name, value in _hunyuan_video_15_reductions():
+        _set(namespace, name, value)
+
+
+def save_qwen25_7b(path: Path, seed: int, dtype=torch.bfloat16) -> Path:
+    """Qwen 2.5-VL 7B as a text encoder file (``qwen_2.5_vl_7b``: the language model and its vision tower, in the
+    keys ComfyUI's Load CLIP detects), random, at the tiny size (inside ``hunyuan_video_15_reduced``)."""
+    import comfy.ops
+    import comfy.text_encoders.llama as llama
+    from safetensors.torch import save_file
+
+    model = llama.Qwen25_7BVLI({}, torch.float32, "cpu", comfy.ops.disable_weight_init)
+    save_file({k: v.to(dtype).contiguous() for k, v in random_state(model, seed).items()}, str(path))
+    return path
+
+
+def json_config(comfy_dir: str | Path, relative: str, **overrides) -> dict:
+    """A configuration file of the checkout ``comfy_dir`` (``relative`` to it) with ``overrides``."""
+    import json
+
+    return {**json.loads((Path(comfy_dir) / relative).read_text()), **overrides}
+
+
+def save_byt5_small_glyph(path: Path, config: dict, seed: int, dtype=torch.float16) -> Path:
+    """The glyph ByT5 text encoder file (``byt5_small_glyphxl_fp16``: the T5 encoder's names) for ``config``,
+    random."""
+    import comfy.ops
+    import comfy.text_encoders.t5 as t5
+    from safetensors.torch import save_file
+
+    model = t5.T5(config, torch.float32, "cpu", comfy.ops.manual_cast)
+    save_file({k: v.to(dtype).contiguous() for k, v in random_state(model, seed).items()}, str(path))
+    return path
+
+
+def save_siglip_384(path: Path, config: dict, seed: int, dtype=torch.float16) -> Path:
+    """SigLIP 384 as Load CLIP Vision reads it (``sigclip_vision_patch14_384``) for ``config`` (layers cut), random;
+    it names the 23rd layer ComfyUI's detection looks for."""
+    from safetensors.torch import save_file
+
+    model = tiny_clip_vision(config, seed=seed, dtype=dtype)
+    state = {k: v.contiguous() for k, v in model.get_sd().items()}
+    state[SIGLIP_384_DETECTED_LAYER] = torch.ones(config["hidden_size"], dtype=dtype)
+    save_file(state, str(path))
+    return path
+
+
+def save_hunyuan_video_15_vae(path: Path, seed: int, dtype=torch.float16) -> Path:
+    """HunyuanVideo 1.5's VAE file (``hunyuanvideo15_vae_fp16``), random, at the tiny widths ComfyUI builds it at in a
+    test's server."""
+    from safetensors.torch import save_file
+
+    vae = tiny_hunyuan_video_15_vae(seed=seed)
+    save_file({k: v.to(dtype).contiguous() for k, v in vae.get_sd().items()}, str(path))
+    return path

@@ -25,7 +25,11 @@ ComfyUI's generator) stay on the host as ComfyUI does them. How it hooks in:
   size their chunks and write into a host buffer they are handed: while traced, ComfyUI's memory queries answer for
   the runtime's devices (``comfy_memory_on_runtime``), ``torch.split`` gives views as torch's does
   (``split_views_on_runtime``), and the frames are copied into the buffer from the program's result. VAEs that tile
-  the video in their own code (``handles_tiling``: MiniMax H3, SeedVR2) are refused by the node.
+  the video in their own code (``handles_tiling``: MiniMax H3, SeedVR2) run each tile's encode or decode on the
+  runtime.
+- SeedVR2's VAE carries its causal caches between the slices of one encode or decode in a dict keyed by its layers
+  (``memory_cache``), which its own slicing loop fills and reads: that loop runs as one program
+  (``SLICING_LOOPS``), so the caches never leave the devices.
 - Frames are split over the mesh: every tensor going into (or carried between) the programs is split along its
   width over the mesh axes that divide it, then its height (``engine.sharding.frame_split_spec``); XLA adds the
   convolutions' halos. The weights (a few hundred MB) are whole on every device.
@@ -171,7 +175,7 @@ def comfy_part_calls(first_stage_model: torch.nn.Module, part: str, outer: str, 
     ``outer`` method ("decode", "encode") runs on a video of ``sample_shape``: for each call, its arguments by name
     (``_summary``). Everything runs on ``meta`` (the model's weights swapped for empty ones while it runs): nothing
     is computed, the model is left as it was."""
-    from .program import _Holder
+    from .program import _Holder, module_state_kept
 
     module = getattr(first_stage_model, part)
     method = type(module).forward
@@ -187,18 +191,12 @@ def comfy_part_calls(first_stage_model: torch.nn.Module, part: str, outer: str, 
     named += list(first_stage_model.named_buffers(remove_duplicate=False))
     empty = {f"inner.{n}": torch.empty_like(t, device="meta") for n, t in named}
     sample = torch.empty(sample_shape, dtype=next(iter(empty.values())).dtype, device="meta")
-    patched = vars(module).get("forward")  # the object patch of a loaded TPU VAE
-    module.forward = record
-    try:
+    holder = _Holder(first_stage_model)
+    with module_state_kept(holder):  # the model's own state (0.3.64's cache lists on the VAE) as it was
+        module.forward = record
         with comfy_attention_on_runtime(first_stage_model), comfy_memory_on_runtime((), "meta"):
-            torch.func.functional_call(_Holder(first_stage_model), empty,
-                                       ((getattr(type(first_stage_model), outer), (sample,), {}),), strict=False,
-                                       tie_weights=False)
-    finally:
-        if patched is None:
-            del module.forward
-        else:
-            module.forward = patched
+            torch.func.functional_call(holder, empty, ((getattr(type(first_stage_model), outer), (sample,), {}),),
+                                       strict=False, tie_weights=False)
     return calls
 
 
@@ -318,27 +316,61 @@ def split_views_on_runtime(env):
 
 
 @contextlib.contextmanager
+def device_on_runtime(module: torch.nn.Module):
+    """While traced: a model that records the device it works on (``module.device``, which SeedVR2's VAE moves its
+    input to and its output back from) records the runtime's."""
+    recorded = vars(module).get("device", None)
+    if not isinstance(recorded, torch.device):
+        yield
+        return
+    module.device = torch.device("jax")
+    try:
+        yield
+    finally:
+        module.device = recorded
+
+
+@contextlib.contextmanager
 def part_trace_context(module: torch.nn.Module, devices):
-    """What a VAE part's code needs while it is traced: the runtime's attention and memory answers, and views from
-    ``torch.split``."""
+    """What a VAE part's code needs while it is traced: the runtime's attention, memory answers and device, and views
+    from ``torch.split``."""
     from ..engine.runtime import get_runtime
 
-    with comfy_attention_on_runtime(module), comfy_memory_on_runtime(devices), \
+    with comfy_attention_on_runtime(module), comfy_memory_on_runtime(devices), device_on_runtime(module), \
             split_views_on_runtime(get_runtime().env):
         yield
 
 
 # --- the parts of a VAE ------------------------------------------------------------------------------------------
+# VAEs whose encoder and decoder carry their causal caches in a dict keyed by their own layers (``memory_cache``:
+# SeedVR2's), filled and read across the calls one encode or decode makes in the model's own slicing loop: that loop
+# (part name -> the model's method) runs as one program, its caches never leaving the devices; one program per video
+# (or tile) shape.
+SLICING_LOOPS = {"decoder": "slicing_decode", "encoder": "slicing_encode"}
+DICT_CACHE_ARGUMENT = "memory_cache"
+
+
+def _takes(method, name: str) -> bool:
+    try:
+        return name in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def vae_parts(first_stage_model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, object]]:
     """(object patch key, module, method) of each part to bridge: the encoder's and decoder's ``forward`` where
-    the model has them, else its own ``decode`` / ``encode`` (an audio VAE: ``audio_vae.py``)."""
+    the model has them (their slicing loop where they carry caches in a dict: ``SLICING_LOOPS``), else its own
+    ``decode`` / ``encode`` (an audio VAE: ``audio_vae.py``)."""
     audio = audio_vae_parts(first_stage_model)
     if audio is not None:
         return audio
     parts = []
     for name, method in (("decoder", "decode"), ("encoder", "encode")):
         sub = getattr(first_stage_model, name, None)
-        if isinstance(sub, torch.nn.Module):
+        loop = getattr(type(first_stage_model), SLICING_LOOPS[name], None)
+        if isinstance(sub, torch.nn.Module) and _takes(type(sub).forward, DICT_CACHE_ARGUMENT) and callable(loop):
+            parts.append((SLICING_LOOPS[name], first_stage_model, loop))
+        elif isinstance(sub, torch.nn.Module):
             parts.append((f"{name}.forward", sub, type(sub).forward))
         elif callable(getattr(type(first_stage_model), method, None)):
             parts.append((method, first_stage_model, getattr(type(first_stage_model), method)))
@@ -478,10 +510,6 @@ def vae_on_runtime(vae, settings: BridgeSettings):
         raise InputError(f"TPU VAE does not know how to run {type(first_stage_model).__name__}: it has neither an "
                          f"encoder and decoder nor decode and encode methods; remove the TPU VAE node to decode "
                          f"on the host")
-    if getattr(vae, "handles_tiling", False):
-        raise InputError(f"TPU VAE cannot run {type(first_stage_model).__name__} yet: this VAE tiles and chunks the "
-                         f"video in its own code (ComfyUI's handles_tiling), which the TPU VAE does not run on the "
-                         f"devices; remove the TPU VAE node to decode and encode with it on the host")
     on_runtime = copy.copy(vae)
     refuse_dynamic_patcher(vae.patcher, type(first_stage_model).__name__)
     on_runtime.patcher = vae.patcher.clone()

@@ -7,15 +7,20 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from .attention import attention_scope
 from .dtypes import jax_dtype
+from .memory import PLAN_FAMILY, is_out_of_memory, out_of_memory
 from .runtime import compile_stats
 from .stages import StageProgram
 from .streaming import run_streamed
+
+if TYPE_CHECKING:
+    from .program_key import ProgramKey
 
 
 @contextlib.contextmanager
@@ -51,18 +56,60 @@ class CompiledStages:
         before = compile_stats()
         start = time.perf_counter()
         key = (self.FAMILY, stage, self.signature, program.key, self.dtype_name, self.mesh_spec.sizes, self.fsdp)
-        with program.scope():
-            executable = self.runtime.compiled(key, program.fn, *program.example, describe=program.describe)
+        saved = None  # the saved programs' key, computed before the scope patches the modules
+        if self.runtime.program_info(key) is None and self.runtime.saved_programs.enabled:
+            saved = self.saved_key(program)
+        with program.scope(), self.memory_named(f"{self.label}'s {program.name} program ({program.describe})",
+                                                "while compiling it"):
+            executable = self.runtime.compiled(key, program.fn, *program.example, describe=program.describe,
+                                               saved=saved)
         t = self.timings
         t.programs[stage] = self.runtime.program_info(key)
         t.compile[stage] = t.compile.get(stage, 0.0) + time.perf_counter() - start
         delta = compile_stats().since(before)
         t.compiles[stage] = t.compiles.get(stage, 0) + delta.xla_compiles
         t.cache_hits[stage] = t.cache_hits.get(stage, 0) + delta.persistent_cache_hits
+        t.loaded[stage] = t.loaded.get(stage, 0) + delta.programs_loaded
         slice_ = getattr(self.runtime, "slice", None)
         if slice_ is not None:  # a multi-host slice: every host compiled it before any runs it
             slice_.barrier(program.describe)
         return executable
+
+    def saved_key(self, program: StageProgram) -> "ProgramKey | None":
+        """What ``program`` is for the saved programs (``program_store.py``): the family, the stage, the model's
+        config signature, the program's own key, dtype, mesh and FSDP, and the modules it traces (classes, code,
+        attributes); the runtime adds its arguments (the weights' names, shapes, dtypes and shardings among them),
+        devices and software. None when the key holds an object that another process cannot recognise."""
+        from .program_key import ProgramKey, describe_module, stable_text
+
+        text = stable_text((self.FAMILY, program.stage, self.signature, program.key, self.dtype_name,
+                            self.mesh_spec.sizes, self.fsdp))
+        if text is None:
+            return None
+        return ProgramKey(f"{self.FAMILY} {program.name}", {
+            "program": text, "model": {c: describe_module(self.component(c)) for c in program.components}})
+
+    @contextlib.contextmanager
+    def memory_named(self, part: str, doing: str):
+        """Out of device memory inside the block, raise the error that names ``part`` (a component, a program) and
+        what it was ``doing``, the numbers, this model's mesh and the fix (``memory_error``)."""
+        try:
+            yield
+        except Exception as error:  # noqa: BLE001 - the devices' own errors, named for the user where we can
+            if is_out_of_memory(error):
+                raise self.memory_error(part, doing, error) from error
+            raise
+
+    def memory_error(self, part: str, doing: str, error: BaseException, needs: str = ""):
+        """The ``DeviceMemoryError`` of ``part`` out of device memory while ``doing``: what it needed against what a
+        chip has, the mesh, and the fix for this model (``fsdp`` where it is off; ``plan`` with its folder)."""
+        fsdp = "" if self.fsdp else (", `fsdp` (the loader's fsdp input, `--fsdp`: splits the transformer's and text "
+                                     "encoder's weights over dp as well; needs dp of 2 or more)")
+        fix = f"Use a larger slice (more chips share the weights and the activations){fsdp}, or a smaller height, " \
+              "width or frame count."
+        path = getattr(self, "path", None)
+        plan = PLAN_FAMILY.replace("MODEL", str(path)) if path is not None and Path(path).is_dir() else PLAN_FAMILY
+        return out_of_memory(part, doing, error, self.mesh, needs=needs, fix=fix, plan=plan)
 
     def run_stage(self, programs: Sequence[StageProgram], inputs: Sequence, chunks: Sequence[int] = ()) -> list:
         """Run a stage's programs on ``inputs`` (device values): one program, or a streamed pass's start program

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from ..errors import ModelFolderError
+from .memory import gib, is_out_of_memory
 from .weights import build_empty, keep_fp32_modules, load_into_meta_module, meta_tensors
 
 log = logging.getLogger(__name__)
@@ -132,8 +133,15 @@ class Components:
             self._states[name] = self.runtime.abstract_state(part, self.mesh, self.rules_for(name),
                                                              self.fsdp_for(name))
         else:
-            self._states[name] = self.runtime.module_state(part, self.mesh, self.rules_for(name),
-                                                           fsdp=self.fsdp_for(name))
+            try:
+                self._states[name] = self.runtime.module_state(part, self.mesh, self.rules_for(name),
+                                                               fsdp=self.fsdp_for(name))
+            except Exception as error:  # noqa: BLE001 - the devices' own errors, named for the user where we can
+                if not is_out_of_memory(error):
+                    raise
+                size = sum(t.numel() * t.element_size() for t in [*part.parameters(), *part.buffers()])
+                raise self.memory_error(self._origin(name), "while placing its weights", error,
+                                        needs=f"its weights are {gib(size)} ({self.dtype_name}) in all") from error
             # The device copy is the one used from now on; free the host copy (real models are many GB).
             part.to("meta")
         return part

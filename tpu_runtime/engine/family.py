@@ -230,11 +230,12 @@ class ModelFamily(Components, Checks, FamilyLoras, StepCaching, CompiledStages):
         for i in range(count):
             if should_stop is not None and should_stop():
                 raise Interrupted(f"sampling interrupted before step {i + 1} of {count}")
-            result = step(i)
-            # JAX dispatches asynchronously: without waiting, the loop would queue every step at once, the
-            # progress bar would race ahead of the device and Cancel could not stop the steps already queued.
-            # A step takes seconds on real models; the wait costs only the next dispatch's latency.
-            result.block_until_ready()
+            with self.memory_named(f"{self.label}'s sampling step", f"at step {i + 1} of {count}"):
+                result = step(i)
+                # JAX dispatches asynchronously: without waiting, the loop would queue every step at once, the
+                # progress bar would race ahead of the device and Cancel could not stop the steps already queued.
+                # A step takes seconds on real models; the wait costs only the next dispatch's latency.
+                result.block_until_ready()
             if on_step is not None:
                 on_step(i + 1, count)
         self.record_run("sample", start)

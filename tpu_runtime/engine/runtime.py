@@ -17,7 +17,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Hashable
+from typing import TYPE_CHECKING, Any, Callable, Hashable
 
 import numpy as np
 import torch
@@ -25,6 +25,10 @@ import torch
 from .dtypes import host_array, jax_dtype
 from .sharding import AXES as MESH_AXES
 from .sharding import MeshSpec
+
+if TYPE_CHECKING:
+    from .program_key import ProgramKey
+    from .program_store import ProgramStore
 
 log = logging.getLogger(__name__)
 
@@ -47,25 +51,33 @@ class CompileStats:
     """Counts of compiled programs, process-wide, from JAX's own monitoring events.
 
     ``backend_compiles`` counts every XLA executable JAX built or fetched from the persistent cache;
-    ``persistent_cache_hits`` those fetched from disk. ``xla_compiles`` is what was really compiled.
+    ``persistent_cache_hits`` those fetched from disk. ``xla_compiles`` is what was really compiled. ``traces``
+    counts traces of torch code through torchax (every ``tracing()`` block: a program lowered, a bridged call's
+    shapes found without data); ``programs_loaded`` the saved programs loaded instead of traced and compiled
+    (``program_store.py``).
     """
 
     backend_compiles: int = 0
     persistent_cache_hits: int = 0
     compile_seconds: float = 0.0
+    traces: int = 0
+    programs_loaded: int = 0
 
     @property
     def xla_compiles(self) -> int:
         return self.backend_compiles - self.persistent_cache_hits
 
     def snapshot(self) -> "CompileStats":
-        return CompileStats(self.backend_compiles, self.persistent_cache_hits, self.compile_seconds)
+        return CompileStats(self.backend_compiles, self.persistent_cache_hits, self.compile_seconds, self.traces,
+                            self.programs_loaded)
 
     def since(self, earlier: "CompileStats") -> "CompileStats":
         return CompileStats(
             self.backend_compiles - earlier.backend_compiles,
             self.persistent_cache_hits - earlier.persistent_cache_hits,
             self.compile_seconds - earlier.compile_seconds,
+            self.traces - earlier.traces,
+            self.programs_loaded - earlier.programs_loaded,
         )
 
 
@@ -108,36 +120,18 @@ class CompiledProgram:
 
 
 def tpu_chips_here() -> int:
-    """TPU chips on this machine's PCI bus, as JAX itself counts them before it loads libtpu (0 elsewhere)."""
-    try:
-        from jax._src import hardware_utils
+    """TPU chips on this machine (0 elsewhere), read from PCI and /dev before any library loads."""
+    from .accelerators import tpu_chips_here as chips
 
-        return int(hardware_utils.num_available_tpu_chips_and_device_id()[0])
-    except Exception:  # noqa: BLE001 - a JAX without that helper: look for the devices TPU VMs have
-        import glob
-
-        return len(glob.glob("/dev/accel*")) + len(glob.glob("/dev/vfio/[0-9]*"))
+    return chips()
 
 
 def choose_platform() -> str | None:
-    """With no TPU here and no platform asked for, keep JAX from starting libtpu (installed by ``jax[tpu]``), which
-    prints initialisation errors that look like failures: JAX runs on the GPU where its CUDA plugin is installed
-    and a GPU present, else on the CPU. Returns what was chosen (None: left to JAX). Call before any backend
-    starts."""
-    import importlib.util
+    """Ask JAX for the platform this machine and ``TPU_VIDEO_EXPECT`` call for, before any backend starts
+    (``accelerators.choose_platform``). Returns what was asked for (None: left to JAX)."""
+    from . import accelerators
 
-    import jax
-
-    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or tpu_chips_here():
-        return None
-    import glob
-
-    cuda = any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")) and \
-        bool(glob.glob("/dev/nvidia[0-9]*"))
-    platforms = "cuda,cpu" if cuda else "cpu"
-    jax.config.update("jax_platforms", platforms)
-    log.info("no TPU on this machine: JAX runs on %s (set JAX_PLATFORMS to choose)", platforms.split(",")[0])
-    return platforms
+    return accelerators.choose_platform(accelerators.expectation())
 
 
 class _DotDataNotice(logging.Filter):
@@ -151,12 +145,17 @@ class _DotDataNotice(logging.Filter):
 class Runtime:
     """Owns the backend, the device mesh, the torchax environment and the compiled-program table."""
 
-    def __init__(self, cache_dir: str | os.PathLike | None = None):
+    def __init__(self, cache_dir: str | os.PathLike | None = None, accelerator: bool = True):
+        """``accelerator``: the runtime runs models, so a machine with a TPU (or ``TPU_VIDEO_EXPECT``) must give it
+        one (``accelerators.start_backend``); False for a process that only compiles for a topology (``plan``)."""
         import jax
 
         from .._torchax_compat import fix_in_place_ops_on_views, import_torchax
+        from . import accelerators
 
-        choose_platform()
+        expected = accelerators.expectation() if accelerator else accelerators.Expectation(
+            None, chips=accelerators.find_chips(), root=accelerators.host_root())
+        asked = accelerators.choose_platform(expected)
         logging.getLogger("torchax.tensor").addFilter(_DotDataNotice())
 
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
@@ -174,10 +173,11 @@ class Runtime:
 
         self.slice = join_from_environment()
 
+        # Every process's devices in a slice (meshes span them all); on the expected platform, or stopped here.
+        self.devices, on_cpu_anyway = accelerators.start_backend(expected, asked)
         self.torchax = import_torchax()
         self.env = self.torchax.default_env()
         fix_in_place_ops_on_views(self.env)  # an in-place op on a slice writes through it (torchax drops some)
-        self.devices = jax.devices()  # every process's devices in a slice: meshes span them all
         self.local_devices = jax.local_devices()
         self.backend = jax.default_backend()
         self._meshes: dict[tuple, Any] = {}
@@ -188,10 +188,12 @@ class Runtime:
         from .attention import sdpa_override
 
         self.env.override_op_definition(torch.nn.functional.scaled_dot_product_attention, sdpa_override)
-        log.info(
-            "runtime ready: backend=%s, %d device(s) [%s]%s, compilation cache %s",
+        log.log(
+            logging.WARNING if on_cpu_anyway else logging.INFO,
+            "runtime ready: backend=%s, %d device(s) [%s]%s, compilation cache %s%s",
             self.backend, len(self.devices), self.devices[0].device_kind,
             f" in {self.slice.processes} processes" if self.slice else "", self.cache_dir,
+            f"; on the CPU because {accelerators.ALLOW_CPU_ENV}=1, although {on_cpu_anyway}" if on_cpu_anyway else "",
         )
         if self.slice is not None:
             import atexit
@@ -335,30 +337,99 @@ class Runtime:
         return fn
 
     # --- compiled programs ------------------------------------------------------------------------------------
-    def compiled(self, key: Hashable, fn: Callable, *example_args, describe: str = "", static: dict | None = None):
+    def compiled(self, key: Hashable, fn: Callable, *example_args, describe: str = "", static: dict | None = None,
+                 saved: "ProgramKey | None" = None, to_save: bool = False):
         """The compiled program for ``key``, compiling ``fn`` on ``example_args`` (arrays or shape structs) once.
 
         The key must name everything that changes the program: family, stage, static options, shapes, dtypes,
-        mesh, attention settings. Shardings come from the example arguments.
+        mesh, attention settings. Shardings come from the example arguments. ``saved``: the program's key for the
+        saved programs (``program_key.py``; the arguments, devices, software and compiler settings are added here):
+        a program saved by an earlier process is loaded instead of traced and compiled, and one compiled here is
+        saved for later processes. ``to_save``: the caller saves the executable itself (``save_program``), so it
+        must be one XLA compiled here, not one from a cache (see ``compile_afresh``).
         """
         full_key = key
         with self._lock:
             program = self._programs.get(full_key)
             if program is not None:
                 return program.executable
-            log.info("preparing %s (once per shape: later calls reuse it)", describe or key)
+            describe = describe or str(key)
+            if saved is not None and not self.saved_programs.enabled:
+                saved = None
+            if saved is not None:
+                saved = self.program_key(saved, example_args, static)
+                loaded = self.load_program(saved, describe, args=example_args)
+                if loaded is not None:
+                    self._programs[full_key] = CompiledProgram(loaded.executable, loaded.seconds,
+                                                               _memory_analysis(loaded.executable))
+                    return loaded.executable
+            log.info("preparing %s (once per shape: later calls reuse it)", describe)
             before = compile_stats()
             start = time.perf_counter()
-            executable = lower(fn, *example_args, static=static).compile()
+            lowered = lower(fn, *example_args, static=static)
+            before_compile = compile_stats()
+            executable = lowered.compile()
+            compiled_here = compile_stats().since(before_compile).xla_compiles > 0  # not from a cache
             seconds = time.perf_counter() - start
             program = CompiledProgram(executable, seconds, _memory_analysis(executable))
             self._programs[full_key] = program
             delta = compile_stats().since(before)
             if delta.persistent_cache_hits and not delta.xla_compiles:
-                log.info("loaded %s from the persistent compilation cache in %.1f s", describe or key, seconds)
+                log.info("loaded %s from the persistent compilation cache in %.1f s", describe, seconds)
             else:
-                log.info("compiled %s in %.1f s", describe or key, seconds)
+                log.info("compiled %s in %.1f s", describe, seconds)
+            if (saved is not None or to_save) and self.saved_programs.folder is not None and not compiled_here:
+                executable = program.executable = compile_afresh(lowered)  # taken from a cache: see compile_afresh
+            if saved is not None and self.saved_programs.folder is not None:
+                self.save_program(saved, executable, describe, export=None if static else (
+                    lambda: export_stablehlo(fn, example_args)))
             return executable
+
+    # --- saved programs (warm starts: program_store.py) ------------------------------------------------------------
+    _saved_store = None
+
+    @property
+    def saved_programs(self) -> "ProgramStore":
+        """The saved programs: ``<cache_dir>/programs`` and the folders ``TPU_VIDEO_PROGRAMS`` names. Off on a
+        multi-host slice (every process compiles the same program; a slice's executables are loaded together)."""
+        from .program_store import ProgramStore
+
+        if self._saved_store is None:
+            self._saved_store = ProgramStore(None) if self.slice is not None else ProgramStore.for_cache(
+                self.cache_dir)
+        return self._saved_store
+
+    @staticmethod
+    def program_key(key: "ProgramKey", args: tuple, static: dict | None = None) -> "ProgramKey":
+        """``key`` completed with what every program depends on (its arguments, devices, software, compiler)."""
+        from .program_key import complete
+
+        return complete(key, args, static)
+
+    def load_program(self, key: "ProgramKey", describe: str, accept: Callable | None = None, args=None):
+        """The saved program of ``key`` (complete) that ``accept`` takes of its ``extra`` (a ``program_store.Loaded``),
+        or None; a miss whose role has saved programs says in one line how the closest differs."""
+        store = self.saved_programs
+        if not store.enabled:
+            return None
+        loaded = store.find(key, accept, args)
+        if loaded is None:
+            why = store.explain(key)
+            if why:
+                log.info("no saved program fits %s (the closest differs in %s): building it", describe, why)
+            return None
+        _STATS.programs_loaded += 1
+        how = "no tracing, no compile" if loaded.kind == "executable" else "its StableHLO compiled here, no tracing"
+        log.info("loaded %s from the saved programs in %.2f s (%s)", describe, loaded.seconds, how)
+        return loaded
+
+    def save_program(self, key: "ProgramKey", executable, describe: str, extra: Any = None, variant: str = "",
+                     export: Callable[[], bytes] | None = None):
+        """Save a program compiled here under ``key`` (complete) for later processes (see ``program_store.py``)."""
+        store = self.saved_programs
+        if store.folder is not None:
+            return store.save(key, describe, executable, extra=extra, variant=variant, export=export)
+        return None
 
     def program_info(self, key: Hashable) -> CompiledProgram | None:
         return self._programs.get(key)
@@ -382,13 +453,48 @@ def lower(fn: Callable, *example_args, static: dict | None = None):
         return jitted.lower(*example_args, **(static or {}))
 
 
+def compile_afresh(lowered):
+    """``lowered`` compiled by XLA now, neither from the persistent compilation cache nor from JAX's in-memory one.
+
+    An executable JAX deserialized (a persistent-cache hit, or one it holds in memory since such a hit) serializes
+    into one that fails when it runs (jaxlib 0.10.2, CPU: "Function ... not found"): a program is saved for later
+    processes only as XLA compiled it. Costs one more compile, the first time a program is saved after its XLA
+    compile was cached (a new version of this package, saved programs cleared)."""
+    import jax
+    from jax._src import compilation_cache
+    from jax._src.interpreters import pxla
+
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        clear = getattr(pxla, "clear_in_memory_compilation_cache", None)
+        clear() if clear is not None else jax.clear_caches()
+        return lowered.compile(compiler_options={})  # options given: the lowering's own copy is not reused
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
+
+
+def export_stablehlo(fn: Callable, args: tuple) -> bytes:
+    """``fn`` traced on ``args`` (arrays or shape structs with shardings) and lowered, as a serialized
+    ``jax.export`` (StableHLO): what a process that cannot trace it (a slice's worker, a later process) compiles."""
+    import jax
+
+    with tracing():
+        exported = jax.export.export(jax.jit(fn))(*args)
+    return bytes(exported.serialize())
+
+
 @contextlib.contextmanager
 def tracing():
     """What tracing torch code through torchax needs, around every trace (``lower``, ``jax.eval_shape``).
 
     ComfyUI runs nodes under torch.inference_mode(), which skips the autograd dispatch key where torch
     decomposes composite ops (aten::dropout, aten::conv3d, ...) that torchax has no lowering for. Trace in plain
-    no-grad mode instead: same numbers, every op decomposed as torchax expects."""
+    no-grad mode instead: same numbers, every op decomposed as torchax expects. Each block counts as a trace
+    (``CompileStats.traces``)."""
+    _STATS.traces += 1
     with torch.inference_mode(False), torch.no_grad():
         yield
 
@@ -420,14 +526,28 @@ def _memory_analysis(executable) -> dict[str, int]:
 
 _runtime: Runtime | None = None
 _runtime_lock = threading.Lock()
+_start_failure: Exception | None = None  # why the backend could not start: JAX starts it once a process
 
 
-def get_runtime(cache_dir: str | os.PathLike | None = None) -> Runtime:
-    """The process-wide runtime, created on first call. Later calls may not ask for another cache directory."""
-    global _runtime
+def get_runtime(cache_dir: str | os.PathLike | None = None, accelerator: bool = True) -> Runtime:
+    """The process-wide runtime, created on first call. Later calls may not ask for another cache directory.
+
+    Where the machine has a TPU (or ``TPU_VIDEO_EXPECT`` asks for one) and the runtime would end up on the CPU, this
+    raises ``AcceleratorUnavailable`` with the cause and the fix, on this call and every later one of the process
+    (JAX does not start a backend twice). ``accelerator=False``: a process that only compiles for a topology
+    (``plan``) takes whatever backend JAX starts."""
+    global _runtime, _start_failure
+    from ..errors import AcceleratorUnavailable
+
     with _runtime_lock:
+        if _start_failure is not None:
+            raise AcceleratorUnavailable(str(_start_failure))
         if _runtime is None:
-            _runtime = Runtime(cache_dir=cache_dir)
+            try:
+                _runtime = Runtime(cache_dir=cache_dir, accelerator=accelerator)
+            except AcceleratorUnavailable as error:
+                _start_failure = error
+                raise
             return _runtime
         if cache_dir is not None and Path(cache_dir).expanduser() != _runtime.cache_dir:
             raise ValueError(

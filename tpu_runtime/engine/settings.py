@@ -32,8 +32,11 @@ class Setting:
     ``minimum`` / ``above`` / ``below`` / ``choices``: what a value must be. ``flag``: the command-line option
     (default ``--`` and the name with dashes); ``cli``: whether it has one. ``node``: the section of the ComfyUI
     node's inputs it is in ("required", "optional"; None: no input), after the inputs every node of its kind has;
-    ``node_unset``: the node's value that means "unset" where there is no default (a widget always holds a value);
-    ``node_max`` / ``node_step``: the widget's range where the rule has no upper bound."""
+    ``node_name``: the input's name where ComfyUI's own nodes call the same thing otherwise (``audio_cfg`` for
+    ``audio_guidance``); a number the model decides (no ``default``) is an optional input left unconnected for the
+    model's value, never a widget with a magic value; ``node_unset``: the choice (or empty text) that means "the
+    model's" for a setting of choices or text; ``node_max`` / ``node_step``: the widget's range where the rule has
+    no upper bound."""
 
     name: str
     kind: type = float
@@ -48,6 +51,7 @@ class Setting:
     flag: str = ""
     cli: bool = True
     node: str | None = "required"
+    node_name: str = ""
     node_unset: Any = None
     node_max: float | None = None
     node_step: float | None = None
@@ -55,6 +59,22 @@ class Setting:
     def __post_init__(self):
         if self.stage not in STAGES:
             raise ValueError(f"setting {self.name}: stage must be one of {STAGES}, got {self.stage!r}")
+        if self.model_decides and self.node == "required":
+            raise ValueError(f"setting {self.name}: the model decides its value, so its node input is optional (left "
+                             "unconnected for the model's), not required")
+        if self.model_decides and self.node_unset is not None:
+            raise ValueError(f"setting {self.name}: a number the model decides has no 'unset' widget value; its "
+                             "input is left unconnected instead")
+
+    @property
+    def model_decides(self) -> bool:
+        """A number with no default of its own: the loaded model's value unless one is given."""
+        return self.default is None and self.kind in (int, float)
+
+    @property
+    def input_name(self) -> str:
+        """The ComfyUI node input that sets it."""
+        return self.node_name or self.name
 
     @property
     def option(self) -> str:

@@ -180,6 +180,7 @@ class StageTimings:
     compiles: dict[str, int] = field(default_factory=dict)
     lora: float = 0.0  # seconds spent merging LoRAs into the weights (reading the files included)
     cache_hits: dict[str, int] = field(default_factory=dict)
+    loaded: dict[str, int] = field(default_factory=dict)  # saved programs loaded instead of traced and compiled
     programs: dict[str, object] = field(default_factory=dict)  # each stage's latest CompiledProgram (time, memory)
 
 

@@ -81,8 +81,11 @@ def streamed_programs(family, *, stage: str, what: str, key: tuple, scope, compo
                              f"{'chunk' if first == 1 else 'chunks'}", scope, components, part="start")]
     if chunks <= 2:
         return programs
-    with scope(), tracing():
-        source_struct, _, cache_structs = jax.eval_shape(start_fn, *example)
+    if family.abstract:  # planned: the start program's outputs found by tracing it without data
+        with scope(), tracing():
+            source_struct, _, cache_structs = jax.eval_shape(start_fn, *example)
+    else:  # it is compiled (or loaded, traced by no one) next anyway: its outputs' shapes come with it
+        source_struct, _, cache_structs = family.compile_stage(programs[0]).out_info
 
     def later_fn(state, source, index, caches):
         out, caches = chunk(state, source, index, caches)
@@ -104,13 +107,14 @@ def run_streamed(family, programs: Sequence[StageProgram], inputs: Sequence, lat
     state = programs[0].example[0]
     stage = programs[0].stage
     start = time.perf_counter()
-    if programs[0].part != "start":
-        parts = [family.runtime.to_cpu(executables[0](state, *inputs))]
-    else:
-        source, out, caches = executables[0](state, *inputs)
-        parts = [family.runtime.to_cpu(out)]
-        for index in later:
-            out, caches = executables[1](state, source, family.put(np.array(index, np.int32)), caches)
-            parts.append(family.runtime.to_cpu(out))
+    with family.memory_named(f"{family.label}'s {stage} stage ({programs[0].describe})", "while running it"):
+        if programs[0].part != "start":
+            parts = [family.runtime.to_cpu(executables[0](state, *inputs))]
+        else:
+            source, out, caches = executables[0](state, *inputs)
+            parts = [family.runtime.to_cpu(out)]
+            for index in later:
+                out, caches = executables[1](state, source, family.put(np.array(index, np.int32)), caches)
+                parts.append(family.runtime.to_cpu(out))
     family.record_run(stage, start)
     return parts

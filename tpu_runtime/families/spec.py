@@ -47,14 +47,20 @@ class Demo:
 
 @dataclass(frozen=True)
 class SamplerNode:
-    """The family's sampler node: its size defaults and the frames rule's tooltip. Its other inputs are the
-    sampling settings every sampler has and the family's own (``FamilySpec.settings``), and where the family
-    refines (``Sampling.refine``) the latents to refine and how much fresh noise they get."""
+    """The family's sampler node: its size defaults, the frames rule's tooltip and the widgets' steps, so that a
+    widget cannot hold a size the family's models refuse: ``size_step`` for width and height (a multiple of it),
+    ``length_step`` for the frame count (``length_step * N + 1``). Where the family's generations differ (Wan 2.1
+    takes multiples of 16, TI2V-5B of 32), the step is the finer rule and the model refuses the rest, naming the
+    nearest values. Its other inputs are the sampling settings every sampler has and the family's own
+    (``FamilySpec.settings``), and where the family refines (``Sampling.refine``) the latents to refine and how
+    much fresh noise they get."""
 
     width: int
     height: int
     frames: int
     frames_tip: str
+    size_step: int = 16
+    length_step: int = 1
 
 
 @dataclass(frozen=True)
@@ -91,8 +97,9 @@ class Recipe:
 class NodeSpec:
     """How the family's ComfyUI nodes are named and what differs between families; the node kinds themselves are
     written once (``nodes/kinds.py``). Class names are ``prefix + kind`` (``TPUWanSampler``), display names
-    ``"<title> <Kind> (TPU)"``, types ``type_prefix + _MODEL / _EMBEDS / _IMAGE``: saved workflows depend on all
-    three, so they never change."""
+    ``"<title> <Kind> (TPU)"``, types ``type_prefix + _MODEL / _EMBEDS / _IMAGE``: saved workflows depend on the
+    class names and types, so they never change. A display name may change, but ComfyUI's node search must find it
+    whole (tests/test_node_inputs.py: every word within its first 31 characters), so titles stay short."""
 
     prefix: str
     title: str

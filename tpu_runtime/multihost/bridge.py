@@ -115,11 +115,11 @@ def _mesh(runtime, sizes: list[int]):
 
 
 def compile_exported(blob: bytes):
-    """The program a serialized ``jax.export`` holds, as a jitted function of (weights, inputs)."""
-    import jax
+    """The program a serialized ``jax.export`` holds, as a jitted function of (weights, inputs) (the saved programs'
+    own reader, ``engine/program_store.py``)."""
+    from ..engine.program_store import compile_stablehlo
 
-    exported = jax.export.deserialize(bytearray(blob))
-    return jax.jit(exported.call)
+    return compile_stablehlo(blob)
 
 
 # --- the first process -----------------------------------------------------------------------------------------------
@@ -166,14 +166,10 @@ class DriverBridge:
 def export_program(fn, example: tuple) -> tuple[bytes, Any]:
     """``fn`` traced once on ``example`` (shape structs with shardings), serialized, and the jitted program the
     first process runs (compiled from the same serialized module as the workers')."""
-    import jax
+    from ..engine.runtime import export_stablehlo
 
-    from ..engine.runtime import tracing
-
-    with tracing():
-        exported = jax.export.export(jax.jit(fn))(*example)
-    blob = exported.serialize()
-    return bytes(blob), compile_exported(blob)
+    blob = export_stablehlo(fn, example)
+    return blob, compile_exported(blob)
 
 
 # --- a worker --------------------------------------------------------------------------------------------------------

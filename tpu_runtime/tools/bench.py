@@ -334,9 +334,13 @@ def add_args(p) -> None:
                    "any: a released model's published curve)")
     p.add_argument("--comfy-native", action="store_true", help="instead: ComfyUI's own sampling of its own model, "
                    "natively and through TPU Diffusion Model (needs --comfy)")
-    p.add_argument("--comfy", metavar="COMFYUI_DIR", help="with --comfy-native: the ComfyUI folder")
+    p.add_argument("--comfy", metavar="COMFYUI_DIR", help="with --comfy-native or --restart: the ComfyUI folder")
     p.add_argument("--comfy-file", help="with --comfy-native: a diffusion model file of ComfyUI's (default: a "
                    "tiny random-weight one built on the spot)")
+    p.add_argument("--restart", action="store_true", help="instead: the seconds before the first step in a fresh "
+                   "process, cold, warm with the XLA cache alone and warm with the saved programs, for ComfyUI's own "
+                   "models through the bridge (with --comfy; see bench_native.py) and the --generation's tiny model")
+    p.add_argument("--restart-layers", type=int, default=20, help="with --restart: the bridged models' blocks")
     p.add_argument("--json", help="also write the results here")
 
 

@@ -8,6 +8,10 @@ conditioning to the devices and the result back, dispatch) against the program's
 ``--comfy-file`` a tiny random-weight Wan file is built on the spot: the numbers measure the bridge's overheads
 and compiles, not a real model's speed. The text encoder (umT5 at 4 layers of width 64) and the VAE (the Wan 2.1
 VAE's layers at ``vae_width`` base channels) are tiny random-weight ones too, built with ComfyUI's own classes.
+
+Also ``bench --restart``'s bridged models (``restart_scenarios``, run by ``restart.py`` in fresh processes): a
+Wan-shaped ``WanModel`` and an LTX-2-shaped ``LTXAVModel`` (video with sound, its text connectors bridged too),
+random weights, ``--restart-layers`` blocks, one euler step through TPU Diffusion Model.
 """
 
 from __future__ import annotations
@@ -152,3 +156,87 @@ def print_native_table(r: dict) -> None:
             print(f"  {label:<28}native {s['native_s']['cold']:.2f} / {s['native_s']['warm']:.2f} s, TPU node "
                   f"{s['bridged_s']['cold']:.2f} / {s['bridged_s']['warm']:.2f} s (cold / warm); XLA compiles per "
                   f"run {s['xla_compiles_per_run']}, programs {s['programs_after_each_run'][-1]}")
+
+
+# --- bench --restart: ComfyUI's own models in fresh processes (tools/restart.py) ------------------------------------
+RESTART_WAN_DIM = 256  # the bridged Wan's width (2 heads of 128, as ComfyUI's detection reads them)
+
+
+def restart_scenarios() -> dict:
+    """``bench --restart``'s bridged models: name -> (label, ``run(folder, layers, generation, comfy_dir)``)."""
+    return {"wan-bridge": ("Wan (ComfyUI WanModel, bridge)", _restart_wan),
+            "ltx2-bridge": ("LTX-2 (ComfyUI LTXAVModel, bridge)", _restart_ltx2)}
+
+
+def _comfy_imports(comfy_dir: str | None) -> None:
+    from ..bridge.architectures import use_comfyui
+
+    use_comfyui(comfy_dir)
+    import comfy.sample  # noqa: F401 - ComfyUI's own start-up work (scipy and the samplers), before the clock
+    import comfy.samplers  # noqa: F401
+    import comfy.sd  # noqa: F401
+
+    from ..bridge import comfy as _bridge, diffusion as _diffusion  # noqa: F401 - the bridge's imports too
+
+
+def _first_step_on_runtime(model, latent, positive, negative, cfg: float) -> tuple[float, float, object]:
+    """ComfyUI's KSampler for one euler step with ``model`` (ComfyUI's MODEL, just loaded) through TPU Diffusion
+    Model: (seconds in all, seconds of the step's own program run, the latents)."""
+    import comfy.sample
+
+    from ..bridge.comfy import BridgeSettings
+    from ..bridge.diffusion import diffusion_model_on_runtime
+
+    start = time.perf_counter()
+    on_runtime = diffusion_model_on_runtime(model, BridgeSettings())
+    noise = comfy.sample.prepare_noise(latent, 0)
+    out = comfy.sample.sample(on_runtime, noise, 1, cfg, "euler", "simple", positive, negative, latent, seed=0,
+                              disable_pbar=True)
+    seconds = time.perf_counter() - start
+    diffusion = model.model.diffusion_model
+    step = sum(p.bridged.stats.run_seconds for p in on_runtime.object_patches.values()
+               if getattr(getattr(p, "bridged", None), "module", None) is diffusion)
+    return seconds, step, out
+
+
+def _restart_wan(folder: Path, layers: int, generation: str, comfy_dir: str | None) -> tuple:
+    import torch
+
+    _comfy_imports(comfy_dir)
+    import comfy.sd
+
+    from ..bridge.tiny import save_diffusion_model, tiny_wan
+
+    path = folder / "wan.safetensors"
+    if not path.exists():
+        save_diffusion_model(tiny_wan("t2v", dim=RESTART_WAN_DIM, layers=layers), path, seed=3)
+    g = torch.Generator().manual_seed(1)
+    positive = [[torch.randn(1, 12, 4096, generator=g), {}]]
+    negative = [[torch.randn(1, 12, 4096, generator=g), {}]]
+    latent = torch.zeros(1, 16, 3, 8, 8)
+    return _first_step_on_runtime(comfy.sd.load_diffusion_model(str(path)), latent, positive, negative, 5.0)
+
+
+def _restart_ltx2(folder: Path, layers: int, generation: str, comfy_dir: str | None) -> tuple:
+    import torch
+
+    _comfy_imports(comfy_dir)
+    try:
+        import comfy.ldm.lightricks.av_model  # noqa: F401
+        import comfy.nested_tensor
+    except ImportError:
+        return None, None, "this ComfyUI has no LTX-2 (0.33 or later has)"
+    import comfy.sd
+
+    from ..bridge.tiny import save_diffusion_model, tiny_ltxav
+
+    path = folder / "ltx2.safetensors"
+    if not path.exists():
+        module, metadata = tiny_ltxav(num_layers=layers)
+        save_diffusion_model(module, path, seed=11, metadata=metadata)
+    g = torch.Generator().manual_seed(1)
+    extra = {"frame_rate": 25, "unprocessed_ltxav_embeds": True}  # through the model's own text connectors
+    positive = [[torch.randn(1, 7, 64, generator=g), dict(extra)]]
+    negative = [[torch.randn(1, 9, 64, generator=g), dict(extra)]]
+    latent = comfy.nested_tensor.NestedTensor((torch.zeros(1, 128, 2, 2, 2), torch.zeros(1, 8, 5, 16)))
+    return _first_step_on_runtime(comfy.sd.load_diffusion_model(str(path)), latent, positive, negative, 3.0)

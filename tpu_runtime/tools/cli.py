@@ -1,5 +1,5 @@
-"""``tpu-video`` (or ``python -m tpu_runtime``) ``generate|demo|bench|plan|worker``: the staged pipeline from the
-command line.
+"""``tpu-video`` (or ``python -m tpu_runtime``) ``generate|demo|bench|plan|cache|worker``: the staged pipeline from
+the command line.
 
 generate  text or image to video: runs encode → sample → decode (or one of them, from the files of the stage
           before) and writes generation_config.json, stage1_embeddings.safetensors, stage2_latents.safetensors,
@@ -9,6 +9,8 @@ demo      builds a tiny RANDOM-weight model on the spot and runs generate on it 
 bench     times every stage and counts compiles against diffusers eager on the same weights.
 plan      compiles every stage for a TPU slice this machine does not have and reports per-chip memory, collectives,
           compile time and whether it fits.
+cache     shows or clears what is kept on disk between processes (the XLA cache, the programs saved for warm
+          starts).
 worker    joins a multi-host slice and runs what its first process (ComfyUI or generate) asks.
 """
 
@@ -89,8 +91,11 @@ def _add_generate_args(p: argparse.ArgumentParser, demo: bool = False) -> None:
     p.add_argument("--stage", choices=STAGES, default="all",
                    help="sample starts from the stage-1 file in --output-dir, decode from the stage-2 file")
     add_family_args(p, stages=("sample", "decode") if demo else ("sample", "decode", "open"))
-    p.add_argument("--cache-dir", help="persistent XLA compilation cache (default: $TPU_VIDEO_CACHE_DIR or "
+    p.add_argument("--cache-dir", help="persistent XLA compilation cache, and the programs saved for later "
+                   "processes in its programs/ folder (default: $TPU_VIDEO_CACHE_DIR or "
                    "~/.cache/tpu_video_nodes/xla_cache)")
+    p.add_argument("--programs", metavar="DIR", help="also load the compiled programs plan --save wrote in DIR (as "
+                   "$TPU_VIDEO_PROGRAMS does): nothing is traced or compiled for the sizes it planned")
     p.add_argument("--mesh", help="device mesh as dp=N,sp=N,tp=N (product = device count; default: CFG batch "
                    "on dp, heads on tp, e.g. dp=2,sp=1,tp=4 on 8 chips)")
     p.add_argument("--attention", choices=["auto", "splash", "cudnn", "blockwise", "reference"], default="auto",
@@ -147,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan.add_args(parser_for(sub, "plan", "compile every stage for a TPU slice (no TPU needed) and report "
                              "per-chip memory and whether it fits"))
+    from . import cache
+
+    cache.add_args(parser_for(sub, "cache", "show or clear what is cached on disk between processes: the XLA "
+                              "compilation cache and the programs saved for warm starts"))
     worker = parser_for(sub, "worker", "on every host of a multi-host slice but the first: join it and run what "
                         "the first process (ComfyUI or generate, with TPU_VIDEO_MULTIHOST=1) asks")
     worker.add_argument("--coordinator", help="host:port of the first process (default: $TPU_VIDEO_COORDINATOR; on a "
@@ -166,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if verbose or args.command == "demo" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("tpu_runtime").setLevel(logging.INFO)
-    from ..errors import InputError, SliceError
+    from ..errors import AcceleratorUnavailable, InputError, SliceError
 
     try:
         if args.command == "demo":
@@ -174,11 +183,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             if args.comfy_native:
                 return _bench_native(args)
+            if args.restart:
+                return _bench_restart(args)
             from . import bench
 
             return bench.main(args)
         if args.command == "plan":
             if args.comfy_model:
+                if args.save:
+                    raise InputError("--save writes our families' programs (--model); ComfyUI's own models "
+                                     "(--comfy-model) are saved on the slice by their first run (the runtime's saved "
+                                     "programs, docs/startup.md): leave --save out")
                 return _plan_native(args)
             if args.comfy_weights != "bf16":
                 raise InputError(f"--comfy-weights {args.comfy_weights} plans ComfyUI's own model classes: give "
@@ -188,12 +203,16 @@ def main(argv: list[str] | None = None) -> int:
             return plan.run(args)
         if args.command == "worker":
             return _worker(args)
+        if args.command == "cache":
+            from . import cache
+
+            return cache.main(args)
         req = _request(args)
         config = generate(req)
         print_summary(config, req.stage)
         print(f"\nwrote {req.output_dir}")
         return 0
-    except InputError as exc:
+    except (InputError, AcceleratorUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except SliceError as exc:
@@ -249,6 +268,20 @@ def _bench_native(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_restart(args: argparse.Namespace) -> int:
+    """``bench --restart``: cold and warm starts, each in a fresh process (``restart.py``)."""
+    import json
+
+    from .restart import format_restart, run_restart
+
+    r = run_restart(args.comfy, layers=args.restart_layers, generation=args.generation)
+    print(format_restart(r))
+    if args.json:
+        Path(args.json).write_text(json.dumps(r, indent=2))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
 def _worker(args: argparse.Namespace) -> int:
     from ..engine.runtime import get_runtime
     from ..errors import InputError
@@ -286,6 +319,9 @@ def _demo(args: argparse.Namespace) -> int:
               f"pipeline runs end to end on this machine; use a real {spec.display_name} model with `generate` for "
               "real video.")
     print(banner)
+    from ..engine.runtime import get_runtime
+
+    get_runtime(cache_dir=getattr(args, "cache_dir", None))  # the backend first: a TPU that cannot start stops here
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # "Writing model shards" bars of the tiny text encoder's save

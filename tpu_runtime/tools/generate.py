@@ -44,6 +44,7 @@ class GenerateRequest:
     fps: int | None = None  # None: what the settings say, else the model's
     stage: str = "all"
     cache_dir: str | None = None
+    programs: str | None = None  # a folder of saved programs to load (plan --save's), besides the cache's own
     mesh: str | None = None
     attention: str = "auto"
     block_q: int = 3328
@@ -217,6 +218,8 @@ def generate(req: GenerateRequest, family=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     wall_start = time.perf_counter()
     runtime = get_runtime(cache_dir=req.cache_dir)
+    if req.programs:
+        runtime.saved_programs.add_read_only(req.programs, "--programs")
     stats_before = compile_stats()
     family = family or open_model(req, runtime)
 
@@ -350,8 +353,11 @@ def _timings(family, stats_before, wall_start: float) -> dict:
         "xla_compiles": dict(t.compiles),
         "lora_merge_s": round(t.lora, 3),
         "persistent_cache_hits": dict(t.cache_hits),
+        "programs_loaded": dict(t.loaded),
         "xla_compiles_total": stats.xla_compiles,
         "persistent_cache_hits_total": stats.persistent_cache_hits,
+        "programs_loaded_total": stats.programs_loaded,
+        "traces_total": stats.traces,
         "wall_s": round(time.perf_counter() - wall_start, 3),
     }
 
@@ -375,11 +381,14 @@ def _log_step(i: int, total: int) -> None:
 def print_summary(config: dict, stage: str, file=sys.stdout) -> None:
     t = config["timings"][stage]
     print(f"\nTiming summary ({config['backend']}, {config['devices']} device(s), {config['dtype']}):", file=file)
-    print(f"  {'stage':<8} {'compile s':>10} {'run s':>10} {'XLA compiles':>13} {'cache hits':>11}", file=file)
+    print(f"  {'stage':<8} {'compile s':>10} {'run s':>10} {'XLA compiles':>13} {'cache hits':>11} {'loaded':>7}",
+          file=file)
     print(f"  {'load':<8} {'':>10} {t['load_s']:>10.2f}", file=file)
     for name in ("encode", "image", "sample", "decode"):
         if name in t["run_s"]:
             print(f"  {name:<8} {t['compile_s'].get(name, 0):>10.2f} {t['run_s'][name]:>10.2f} "
-                  f"{t['xla_compiles'].get(name, 0):>13} {t['persistent_cache_hits'].get(name, 0):>11}", file=file)
+                  f"{t['xla_compiles'].get(name, 0):>13} {t['persistent_cache_hits'].get(name, 0):>11} "
+                  f"{t.get('programs_loaded', {}).get(name, 0):>7}", file=file)
     print(f"  total wall {t['wall_s']:.2f} s; all XLA programs: {t['xla_compiles_total']} compiled, "
-          f"{t['persistent_cache_hits_total']} from the persistent cache", file=file)
+          f"{t['persistent_cache_hits_total']} from the persistent cache; {t.get('programs_loaded_total', 0)} saved "
+          "program(s) loaded (not traced)", file=file)

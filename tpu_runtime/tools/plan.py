@@ -102,6 +102,7 @@ class PlanReport:
     steps: int = 0  # the sampling steps planned (the settings'), for the time bound
     time_bound: TimeBound | None = None  # a lower bound on a step and a video's sampling (None: see time_note)
     time_note: str = ""
+    saved: list[str] = field(default_factory=list)  # plan --save: the program files written for the chosen mesh
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -166,7 +167,7 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
          frames: int | None = None, guidance: float | None = None, steps: int | None = None, mesh=None,
          dtype: str = "bfloat16", attention=None, fsdp: bool = False, vae_sharding: str = "auto",
          stages=STAGES, layers: int | None = None, max_candidates: int = 3, every_stage: bool = False,
-         cache: str = "none") -> PlanReport:
+         cache: str = "none", save: str | None = None) -> PlanReport:
     """Compile ``stages`` of one generation for ``topology`` and report per-chip memory and what fits (the
     stages every family has, and the family's own).
 
@@ -175,7 +176,8 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
     fit", its other stages are not compiled unless ``every_stage``. ``cache`` ("magcache", "first-block"): the
     sampler's programs are a step-cached run's, and what its cache keeps between steps counts with the weights.
     A known model released with its own sampling settings (a distilled one: one pass a step) is planned with them;
-    ``guidance`` and ``steps`` given here replace theirs.
+    ``guidance`` and ``steps`` given here replace theirs. ``save``: a folder the chosen mesh's compiled programs are
+    saved in, as a server on that slice loads them (``TPU_VIDEO_PROGRAMS``; see ``engine/program_store.py``).
     """
     from ..engine.stages import METHODS
 
@@ -188,7 +190,7 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
     if cache not in METHODS:
         raise InputError(f"cache {cache!r}: choose from {', '.join(METHODS)}")
     devices = topo.devices()
-    get_runtime()  # torchax and the attention override
+    get_runtime(accelerator=False)  # torchax and the attention override; compiles for the topology, runs nothing
     with tempfile.TemporaryDirectory() as work:
         def opened(on_mesh):
             return open_abstract(source, devices, Path(work), mesh=on_mesh, dtype=dtype, attention=attention,
@@ -208,13 +210,16 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
             meshes = [base.mesh_spec]
         else:
             meshes = candidate_meshes(len(devices), base.heads, cfg, fsdp)[:max_candidates]
-        results = []
+        results, savers = [], {}
         with _no_persistent_cache():
             for spec in meshes:
                 family = base if spec == base.mesh_spec else opened(spec)
-                results.append(_plan_mesh(family, settings, stages, topo, every_stage, cache))
+                saver = ProgramSaver(family, Path(save), topo) if save else None
+                results.append(_plan_mesh(family, settings, stages, topo, every_stage, cache, saver))
+                savers[results[-1].mesh] = saver
         fitting = [r for r in results if r.fits]
         chosen = min(fitting or results, key=lambda r: r.peak_bytes_per_chip)
+        saved = [s.finish(keep=mesh == chosen.mesh) for mesh, s in savers.items() if s is not None]
         report = PlanReport(
             model=source.label, topology=topo.name, chips=topo.chips, hosts=topo.hosts, chip_hbm_bytes=topo.hbm_bytes,
             devices_per_chip=topo.devices_per_chip,
@@ -229,6 +234,7 @@ def plan(source: ModelSource, topology: str | Topology, *, height: int | None = 
                         for r in results],
         )
         report.steps = settings.steps
+        report.saved = [path for paths in saved for path in paths]
         report.time_bound, report.time_note = sampling_bound(chosen.stages, settings.steps, cache)
         if not report.fits:
             report.suggestions = suggestions(source, base, chosen, topo, layers, stages, cfg)
@@ -293,8 +299,52 @@ def _with_step_cache(family, programs: list, method: str, cfg: bool) -> tuple[li
     return out, held, inputs
 
 
+class ProgramSaver:
+    """``plan --save``: each program compiled for one candidate mesh, saved at once (a TPU executable can be hundreds
+    of megabytes: none is held) into a staging folder; ``finish`` moves the chosen mesh's into the folder and drops
+    the others'."""
+
+    def __init__(self, family, folder: Path, topo: Topology):
+        self.family, self.folder, self.topo = family, folder, topo
+        self.staging = folder / f".plan-{os.getpid()}-{id(self)}"
+        self.paths: list[Path] = []
+
+    def __call__(self, program, executable) -> None:
+        from ..engine.program_key import complete
+        from ..engine.program_store import ProgramStore
+        from ..engine.runtime import export_stablehlo
+
+        key = self.family.saved_key(program)
+        if key is None:
+            log.warning("%s is not saved: its key holds an object another process cannot recognise",
+                        program.describe)
+            return
+
+        def export():
+            with program.scope():
+                return export_stablehlo(program.fn, program.example)
+
+        path = ProgramStore(None).save(complete(key, program.example), f"{program.describe} ({self.topo.name})",
+                                       executable, export=export, folder=self.staging)
+        if path is not None:
+            self.paths.append(path)
+
+    def finish(self, keep: bool) -> list[str]:
+        """Move the staged programs into the folder (``keep``) or drop them; the files kept."""
+        import shutil
+
+        kept = []
+        for path in self.paths:
+            if keep:
+                target = self.folder / path.name
+                os.replace(path, target)
+                kept.append(str(target))
+        shutil.rmtree(self.staging, ignore_errors=True)
+        return kept
+
+
 def _plan_mesh(family, settings: SampleSettings, stages, topo: Topology, every_stage: bool = False,
-               cache: str = "none") -> MeshReport:
+               cache: str = "none", saver: ProgramSaver | None = None) -> MeshReport:
     """Compile the stages' programs on ``family``'s mesh. Once the answer is "does not fit" (the resident weights
     alone exceed a chip, or a stage did not compile, or does not fit beside them) the rest are not compiled:
     their compiles cannot change the verdict and may take many minutes. ``every_stage`` compiles them anyway.
@@ -325,7 +375,10 @@ def _plan_mesh(family, settings: SampleSettings, stages, topo: Topology, every_s
             continue
         log.info("compiling %s for %s, mesh %s", program.describe, topo, family.mesh_spec)
         # The program receives one component's weights (Wan 2.2's experts take turns with the same program).
-        stage = report.stages[program.name] = compile_program(program, topo)
+        kept = [] if saver is not None else None
+        stage = report.stages[program.name] = compile_program(program, topo, kept)
+        for saved_program, executable in kept or ():
+            saver(saved_program, executable)
         needs = report.resident_weights_bytes_per_chip + _beside(stage, cache_inputs.get(program.name, 0))
         if not stage.compiled:
             verdict = verdict or f"{program.name} did not compile"
@@ -407,7 +460,7 @@ def suggestions(source: ModelSource, family, report: MeshReport, topo: Topology,
     # step's activations took it to 17.3 GiB.)
     measured = any(r.compiled or _needed_bytes(r) for r in report.stages.values())
     margin = 0.9 if measured else 0.75
-    for chips in _SLICE_SIZES[topo.kind]:
+    for chips in _SLICE_SIZES.get(topo.kind, ()):
         if chips <= topo.chips:
             continue
         bigger = parse_topology(f"{topo.kind}-{chips * (2 if topo.kind in _TENSORCORE_NAMED else 1)}")
@@ -531,6 +584,11 @@ def format_report(r: PlanReport) -> str:
                      f"stage's activations{per_chip})")
     for s in r.suggestions:
         lines.append(f"  try: {s}")
+    if r.saved:
+        folder = Path(r.saved[0]).parent
+        lines.append(f"  saved {len(r.saved)} compiled program(s) for mesh {r.mesh} in {folder}: a server on "
+                     f"{r.topology} given TPU_VIDEO_PROGRAMS={folder} (or --programs) loads them and compiles nothing "
+                     "for these sizes")
     lines.append(f"  planned in {r.seconds:.0f} s on this machine (peak host memory "
                  f"{r.host_peak_rss_bytes / GIB:.1f} GiB); measured run times need the real slice")
     return "\n".join(lines)
@@ -544,7 +602,8 @@ def add_args(parser) -> None:
                         + ", ".join(registry.known_models()))
     add_file_args(parser)
     parser.add_argument("--topology", required=True, help="TPU slice(s), comma list: " + ", ".join(EXAMPLES)
-                        + ", ... (v5p and v7x by TensorCores: v7x-8 is 4 chips), or a chip layout such as v6e:2x4")
+                        + ", ... (v5p and v7x by TensorCores: v7x-8 is 4 chips), or a chip layout such as v6e:2x4; "
+                        "cpu or cpu-N: this machine's CPU devices (with --save: programs for a CPU server)")
     parser.add_argument("--height", type=int, help="default: the model's native size")
     parser.add_argument("--width", type=int, help="default: the model's native size")
     parser.add_argument("--frames", type=int, help="default: the model's native length")
@@ -577,6 +636,10 @@ def add_args(parser) -> None:
     parser.add_argument("--layers", type=int, help="compile the transformer with this many layers (a quick check; "
                         "reported as reduced depth)")
     parser.add_argument("--json", help="also write the report as JSON to this file")
+    parser.add_argument("--save", metavar="DIR", help="save the chosen mesh's compiled programs in DIR, as a server "
+                        "on the slice loads them (TPU_VIDEO_PROGRAMS=DIR, or generate --programs DIR): it then "
+                        "traces and compiles nothing for these sizes. The server must run the same jax, jaxlib, "
+                        "libtpu, torch and this package")
     parser.add_argument("--comfy-model", help="plan ComfyUI's own model class as TPU Diffusion Model runs it "
                         "(the native bridge) instead of --model, with the text encoder and VAE its graphs load (Wan: "
                         "umT5-XXL and the Wan VAE, as TPU Text Encoder and TPU VAE run them; --stages encode,sample,"
@@ -642,7 +705,7 @@ def run(args) -> int:
                               attention=attention, fsdp=args.fsdp, vae_sharding=args.vae_sharding,
                               stages=tuple(s.strip() for s in args.stages.split(",") if s.strip()),
                               layers=args.layers, max_candidates=args.candidates, every_stage=args.every_stage,
-                              cache=args.cache)
+                              cache=args.cache, save=args.save)
                 print(format_report(report), flush=True)
                 reports.append(report.to_json())
                 if args.json:  # rewritten after every plan: a long table run keeps what it has so far

@@ -234,7 +234,7 @@ def program_cost(compiled, hlo: str, topo: Topology) -> ProgramCost | None:
         return None
     if isinstance(analysis, (list, tuple)):  # older JAX: one dict per program
         analysis = analysis[0] if analysis else None
-    if not analysis:
+    if not analysis or not topo.peak_flops:  # no cost model, or a device without published peaks (a CPU)
         return None
     kernels, others, looped = mosaic_kernels(hlo)
     others_called = Counter(t for t in re.findall(r'custom_call_target="([^"]*)"', hlo) if t != MOSAIC)
@@ -337,8 +337,10 @@ def format_time_bound(bound: TimeBound | None, unit: str, why_none: str = "", st
 _COMPILED: dict[tuple, StageReport] = {}  # (topology, program text) -> report: identical programs compile once
 
 
-def compile_program(program, topo: Topology) -> StageReport:
-    """Compile one ``StageProgram`` for its (TPU) mesh and read its memory and collectives."""
+def compile_program(program, topo: Topology, keep: list | None = None) -> StageReport:
+    """Compile one ``StageProgram`` for its (TPU) mesh and read its memory and collectives. ``keep``: a list the
+    compiled executable is appended to, with its program (``plan --save``; the program is then compiled even when an
+    identical one was before)."""
     import jax
 
     from ..engine.runtime import lower
@@ -352,7 +354,8 @@ def compile_program(program, topo: Topology) -> StageReport:
         return report
     start = time.perf_counter()
     try:
-        key, compiled = _in_background(lambda: _lower_and_compile(program, topo, lower), program.describe, topo)
+        key, compiled = _in_background(lambda: _lower_and_compile(program, topo, lower, keep is None),
+                                       program.describe, topo)
         if compiled is None:
             return replace(_COMPILED[key], describe=program.describe)
     except MemoryError:
@@ -380,6 +383,8 @@ def compile_program(program, topo: Topology) -> StageReport:
         setattr(report, name, value)
     report.cost = program_cost(compiled, hlo, topo)
     _COMPILED[key] = report
+    if keep is not None:
+        keep.append((program, compiled))
     return report
 
 
@@ -388,13 +393,13 @@ def _weights_alone(weights_bytes: int, topo: Topology) -> str:
             f"{topo.hbm_bytes / GIB:.0f} GiB")
 
 
-def _lower_and_compile(program, topo: Topology, lower):
+def _lower_and_compile(program, topo: Topology, lower, reuse: bool = True):
     """(key, executable) of ``program`` for ``topo``; the executable is None when an identical program (same text,
-    same topology) was compiled before in this process."""
+    same topology) was compiled before in this process (and ``reuse``)."""
     with program.scope():
         lowered = lower(program.fn, *program.example)
     key = (topo.name, hashlib.sha256(lowered.as_text().encode()).hexdigest())
-    if key in _COMPILED:
+    if reuse and key in _COMPILED:
         return key, None
     return key, lowered.compile()
 

@@ -65,13 +65,20 @@ def _native_program(arch, module, topo: Topology, mesh_text: str | None, cfg: bo
     """(StageProgram, mesh spec, rules) of the bridged step on the topology's mesh."""
     from ..bridge.planning import step_program
 
+    batch = 2 if cfg and not arch.batch_one else 1
     describe = (f"ComfyUI {type(module).__name__} step at {width}x{height}x{frames} "
-                f"({'CFG batch of 2' if cfg else 'batch 1'})")
-    planned = step_program(module, arch.example_call(2 if cfg else 1, height, width, frames), topo.devices(),
+                f"({_batch_words(batch, cfg)})")
+    planned = step_program(module, arch.example_call(batch, height, width, frames), topo.devices(),
                            mesh_text, attention, describe)
     from ..bridge.rules import rules_for
 
     return planned.stage_program(("native", arch.name)), planned.mesh, rules_for(module)
+
+
+def _batch_words(batch: int, cfg: bool) -> str:
+    if batch == 2:
+        return "CFG batch of 2"
+    return "batch 1, two calls a CFG step" if cfg else "batch 1"
 
 
 def _component_programs(arch, stage: str, topo: Topology, height: int, width: int, frames: int, attention,
@@ -88,8 +95,18 @@ def _component_programs(arch, stage: str, topo: Topology, height: int, width: in
                              f"ComfyUI {c.label} ({type(module).__name__}), one prompt of {c.tokens} tokens")]
     c = COMPONENTS[arch.vae]
     t, s = c.compression
+    vae = c.build()
+    if hasattr(vae, "tile_size") and hasattr(vae, "tokens_chunk_size"):  # tiles and chunks the video itself
+        from ..bridge.planning import tile_decode_program
+
+        tile = min(vae.tile_size, height, width) // s
+        chunk = vae.tokens_chunk_size + vae.token_overlap
+        shape = (1, vae.decoder.x_embedder.in_features, chunk, tile, tile)
+        return [tile_decode_program(vae, shape, topo.devices(), None, attention,
+                                    f"ComfyUI {c.label}, one {tile * s}-pixel tile of {chunk} latent frames (its "
+                                    f"own tiles and chunks, at {width}x{height}x{frames})")]
     latent = (1, c.config["z_dim"], 1, height // s, width // s)
-    return decode_programs(c.build(), latent, topo.devices(), None, attention,
+    return decode_programs(vae, latent, topo.devices(), None, attention,
                            f"ComfyUI {c.label} decode at {width}x{height}x{frames}")
 
 
@@ -141,7 +158,7 @@ def plan_native(name: str, comfy_dir: str | None, topology: str | Topology, *, h
     arch.check_size(height, width, frames)
     cfg = guidance is None or guidance > 1.0
     use_comfyui(comfy_dir)
-    get_runtime()
+    get_runtime(accelerator=False)  # compiles for the topology, runs nothing
     planned: dict[str, dict] = {}
     weights_by_component: dict[str, int] = {}
     module = _with_weights(arch.build(layers=layers), weights)
@@ -169,7 +186,7 @@ def plan_native(name: str, comfy_dir: str | None, topology: str | Topology, *, h
         fits=compiled and resident + beside <= topo.hbm_bytes, resident_weights_bytes_per_chip=resident,
         peak_bytes_per_chip=resident + beside, step=step or StageReport(compiled=False, describe="not planned"),
         stages=planned, steps=steps or KSAMPLER_STEPS)
-    report.time_bound = time_bound(step, report.steps)
+    report.time_bound = time_bound(step, report.steps, 2 if cfg and arch.batch_one else 1)
     if compare and arch.family and step is not None:
         from .plan import ModelSource, plan
 

@@ -34,6 +34,7 @@ _LAYOUT_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 
 _SLICE_SIZES = {"v5e": (1, 4, 8, 16, 32, 64), "v6e": (1, 4, 8, 16, 32, 64), "v5p": (8, 16, 32, 64, 128),
                 "v4": (8, 16, 32, 64, 128), "v7x": (4, 8, 16, 32, 64)}  # chips
 _TENSORCORE_NAMED = ("v4", "v5p", "v7x")
+CPU = "cpu"  # not a TPU: this process's CPU devices (``cpu``, ``cpu-8``), for a CPU server's saved programs
 
 
 @dataclass(frozen=True)
@@ -55,22 +56,24 @@ class Topology:
 
     @property
     def chip_hbm_bytes(self) -> int:
+        if self.kind == CPU:  # the host's memory, shared by its CPU devices
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // self.chips
         return CHIP_HBM[self.kind]
 
     @property
     def hbm_bytes(self) -> int:
         """HBM of one JAX device (a v7x TensorCore has half its chip's)."""
-        return CHIP_HBM[self.kind] // self.devices_per_chip
+        return self.chip_hbm_bytes // self.devices_per_chip
 
     @property
     def peak_flops(self) -> float:
-        """Peak bfloat16 flop/s of one JAX device (a v7x TensorCore has half its chip's)."""
-        return CHIP_PEAK_BF16_FLOPS[self.kind] / self.devices_per_chip
+        """Peak bfloat16 flop/s of one JAX device (a v7x TensorCore has half its chip's; 0: not published)."""
+        return CHIP_PEAK_BF16_FLOPS.get(self.kind, 0.0) / self.devices_per_chip
 
     @property
     def hbm_bytes_per_second(self) -> float:
-        """HBM bandwidth of one JAX device (a v7x TensorCore has half its chip's)."""
-        return CHIP_HBM_BYTES_PER_SECOND[self.kind] / self.devices_per_chip
+        """HBM bandwidth of one JAX device (a v7x TensorCore has half its chip's; 0: not published)."""
+        return CHIP_HBM_BYTES_PER_SECOND.get(self.kind, 0.0) / self.devices_per_chip
 
     @property
     def hosts(self) -> int:
@@ -82,9 +85,12 @@ class Topology:
         return self.chips if self.kind in ("v5e", "v6e") and self.chips <= 8 else 4
 
     def devices(self) -> list:
-        """The slice's devices as abstract JAX devices (compile for them; nothing runs)."""
+        """The slice's devices as abstract JAX devices (compile for them; nothing runs); for ``cpu`` this process's
+        CPU devices (the programs then run here too: ``plan --save`` for a CPU server)."""
         from jax.experimental import topologies
 
+        if self.kind == CPU:
+            return cpu_devices(self.chips)
         quiet_libtpu(self)
         name = f"{LIBTPU_KIND.get(self.kind, self.kind)}:{'x'.join(map(str, self.layout))}"
         bounds = None
@@ -105,6 +111,17 @@ class Topology:
 
     def __str__(self) -> str:
         return self.name
+
+
+def cpu_devices(count: int) -> list:
+    """``count`` of this process's CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count=N`` makes N)."""
+    import jax
+
+    devices = jax.devices("cpu")
+    if len(devices) < count:
+        raise InputError(f"topology cpu-{count} needs {count} CPU devices, this process has {len(devices)}: start it "
+                         f"with XLA_FLAGS=--xla_force_host_platform_device_count={count}")
+    return devices[:count]
 
 
 def quiet_libtpu(topology: Topology) -> None:
@@ -129,8 +146,15 @@ def accelerator_type(topology: Topology) -> str:
 
 def parse_topology(text: str) -> Topology:
     """``v6e-8``, ``v5e-4``, ``v5p-8`` and ``v7x-8`` (TensorCores, as Google names v5p/v4/v7x slices: 4 chips),
-    ``v6e-1``; or a chip layout such as ``v6e:2x4`` or ``v7x:2x2x1``."""
+    ``v6e-1``; or a chip layout such as ``v6e:2x4`` or ``v7x:2x2x1``; or ``cpu`` / ``cpu-N``, this machine's CPU
+    devices."""
     raw = str(text).strip().lower().replace("v5litepod", "v5e").replace("tpu7x", "v7x")
+    cpu = re.fullmatch(r"cpu(?:-(\d+))?", raw)
+    if cpu:  # this machine's CPU devices: the target of a CPU server's saved programs (plan --save)
+        count = int(cpu.group(1) or 1)
+        if count < 1:
+            raise InputError(f"topology {text!r}: give at least one CPU device (cpu, cpu-8)")
+        return Topology(raw, CPU, count, (count,))
     match = re.fullmatch(r"(v4|v5e|v5p|v6e|v7x)[-:](\S+)", raw)
     if match:
         kind, size = match.groups()

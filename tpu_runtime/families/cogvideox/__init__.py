@@ -53,7 +53,8 @@ SPEC = FamilySpec(
         image_encode_doc="CogVideoX-5b-I2V / 1.5-I2V: the first frame VAE-encoded on the devices; the sampler draws "
                          "from it.",
         sampler=SamplerNode(
-            width=720, height=480, frames=49, frames_tip="8N+1 for 2b/5b (49 native), 16N+1 for 1.5 (81 native)"),
+            width=720, height=480, frames=49, frames_tip="8N+1 for 2b/5b (49 native), 16N+1 for 1.5 (81 native)",
+            size_step=16, length_step=8),
         image_size=(720, 480, 49),
         image_frames_tip="the sampler's frames: 8N+1 for 5b-I2V (49), 16N+1 for 1.5-I2V (81)",
     ),

@@ -17,7 +17,8 @@ SIGMA_SCHEDULES = ("default", "distilled", "stage2")  # the model's, the distill
 # The sampler's own settings, each left out the model's default (diffusers' LTX2Pipeline's): the guidance terms
 # (one knob each for the video and the sound, as diffusers' video and audio scales), the rate and the schedule.
 SETTINGS = (
-    Setting("audio_guidance", float, "CFG scale of the sound", default=7.0, above=0.0, node_max=30.0, node_step=0.1),
+    Setting("audio_guidance", float, "CFG scale of the sound", default=7.0, above=0.0, node_name="audio_cfg",
+            node_max=30.0, node_step=0.1),
     Setting("stg_scale", float, "spatio-temporal guidance (video and sound); 0 turns it off", default=1.0,
             minimum=0.0, node_max=10.0, node_step=0.1),
     Setting("modality_scale", float, "modality-isolation guidance; 1 turns it off", default=3.0, minimum=0.0,
@@ -92,7 +93,8 @@ SPEC = FamilySpec(
                     "program per shape; new scales, seeds and prompts compile nothing.",
         decode_doc="Decode to an IMAGE batch and ComfyUI's AUDIO, for CreateVideo / SaveVideo with sound.",
         sampler=SamplerNode(
-            width=768, height=512, frames=121, frames_tip="8N+1 (121 native: 5 s at 24 fps)"),
+            width=768, height=512, frames=121, frames_tip="8N+1 (121 native: 5 s at 24 fps)", size_step=32,
+            length_step=8),
         image_size=(768, 512, 121),
         image_frames_tip="the sampler's frames: 8N+1 (121)",
         audio=True,

@@ -29,12 +29,12 @@ SPEC = FamilySpec(
     sampling=Sampling(steps=50, guidance=5.0, schedulers=("unipc", "euler", "euler_simple")),
     settings=(
         Setting("shift", float, "flow shift", above=0.0, default_help="the model's: 3 for 2.1, 12 for 2.2 A14B, 5 "
-                "TI2V-5B", node_unset=0.0, node_max=100.0, node_step=0.1),
+                "TI2V-5B", node="optional", node_max=100.0, node_step=0.1),
         Setting("guidance_2", float, "Wan 2.2 A14B: guidance of the low-noise expert", minimum=0.0,
-                default_help="the guidance", node="optional", node_unset=-1.0, node_max=30.0, node_step=0.1),
+                default_help="the guidance", node="optional", node_name="cfg_2", node_max=30.0, node_step=0.1),
         Setting("boundary", float, "Wan 2.2 A14B: switch to the low-noise expert below this fraction of the 1000 "
                 "training timesteps", above=0.0, below=1.0, default_help="the model's: 0.875 T2V, 0.9 I2V",
-                node="optional", node_unset=0.0, node_max=0.999, node_step=0.005),
+                node="optional", node_max=0.999, node_step=0.005),
         Setting("loop", str, "the decode's programs: the first two latent frames then one call per later frame, or "
                 "one program holding every frame", choices=("frames", "unrolled"), default_help="frames",
                 stage="decode", cli=False, node=None),
@@ -74,7 +74,8 @@ SPEC = FamilySpec(
                     "for every step and every seed.",
         decode_doc="Wan VAE decode to an IMAGE batch [frames, H, W, 3] for ComfyUI's CreateVideo / SaveVideo.",
         sampler=SamplerNode(
-            width=832, height=480, frames=81, frames_tip="4N+1 (81 native; TI2V-5B 121)"),
+            width=832, height=480, frames=81, frames_tip="4N+1 (81 native; TI2V-5B 121)", size_step=16,
+            length_step=4),
         image_size=(832, 480, 81),
         image_frames_tip="the sampler's frames: 4N+1 (81; TI2V-5B 121)",
         lora_optional={"expert": (["both", "high noise", "low noise"], {
