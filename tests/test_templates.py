@@ -410,7 +410,8 @@ def test_subgraphs_are_flattened_as_the_frontend_does():
 def test_the_documented_share_is_the_measured_one(server):
     """docs/templates.md's "By use" table lists every local video template with the use count the Templates browser
     has for it, says rightly whether it loads on this tree (0.33: its node types exist), and the share it states is
-    the one its results give (the templates whose runs with the TPU nodes and in the automatic mode are both equal); the README states the same share."""
+    the one its results give (the templates whose runs with the TPU nodes and in the automatic mode are both equal);
+    the README's first section states the same share."""
     from comfy_templates import documented_results, equal_share, template_usage
 
     rows, stated = documented_results((ROOT / "docs" / "templates.md").read_text())
