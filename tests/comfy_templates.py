@@ -244,6 +244,12 @@ def ui_to_api(workflow: dict, object_info: dict) -> dict:
             inputs.update({k: v for k, v in values.items() if k in {n for n, _ in _widget_names(info)}})
         else:
             _take_widgets(info["input"], list(values), inputs)
+        # The frontend also writes the values by name: they decide where an input the positional list does not
+        # account for (a widget of several types, LTXV Empty Latent Audio's frame rate) moves the others.
+        named = node.get("widgets_values_named")
+        if isinstance(named, dict):
+            declared = {n for section in ("required", "optional") for n in info["input"].get(section, {})}
+            inputs.update({k: v for k, v in named.items() if k in declared})
         inputs.update(node.get("_overrides", {}))  # a subgraph instance's values for its promoted widgets
         for inp in node.get("inputs", []):
             if inp.get("link") is None:
@@ -352,7 +358,7 @@ AUDIO_DECODES = ("VAEDecodeAudio", "LTXVAudioVAEDecode")
 
 def observe(prompt: dict, prefix: str) -> dict:
     """The latents every VAE decode takes (every stream of an audio-video latent, as exact floats), the frames it
-    gives (8-bit PNGs) and the waveform every audio decode gives, saved to compare (``OBSERVING_NODES``); the
+    gives (8-bit PNGs), the waveform every audio decode gives and the latent it takes, saved to compare (``OBSERVING_NODES``); the
     template's own nodes and links are left as they are."""
     for node_id, node in list(prompt.items()):
         if node["class_type"] in ("VAEDecode", "VAEDecodeTiled"):
@@ -363,6 +369,9 @@ def observe(prompt: dict, prefix: str) -> dict:
         elif node["class_type"] in AUDIO_DECODES:
             prompt[f"{node_id}_audio"] = {"class_type": "TemplateTestSaveAudio", "inputs": {
                 "audio": [node_id, 0], "filename_prefix": f"{prefix}/n{node_id}/audio"}}
+            if isinstance(node["inputs"].get("samples"), list):
+                prompt[f"{node_id}_latent"] = {"class_type": "TemplateTestSaveLatent", "inputs": {
+                    "samples": node["inputs"]["samples"], "filename_prefix": f"{prefix}/n{node_id}/latent"}}
     return prompt
 
 
@@ -498,7 +507,8 @@ def widget_files(prompt: dict) -> dict[str, set[str]]:
     return found
 
 
-FOLDERS = {"unet_name": "diffusion_models", "clip_name": "text_encoders", "vae_name": "vae",
+FOLDERS = {"unet_name": "diffusion_models", "clip_name": "text_encoders", "vae_name": "vae", "text_encoder": "text_encoders",
+           "model_name": "latent_upscale_models",
            "lora_name": "loras", "ckpt_name": "checkpoints", "clip_vision": "clip_vision",
            "audio_encoder_name": "audio_encoders", "clip_name1": "text_encoders", "clip_name2": "text_encoders"}
 
@@ -604,6 +614,29 @@ def _hunyuan_video_15(part: str):
     return write
 
 
+def _ltx23(part: str):
+    """LTX-2.3's checkpoint, Gemma 3 12B, latent upscaler and LoRAs, at the tiny sizes a test's server builds Gemma 3
+    at (the rest is read from the files)."""
+
+    def write(path, seed, server):
+        from safetensors.torch import save_file
+        from tpu_runtime.bridge import tiny
+
+        with tiny.gemma3_12b_reduced():
+            if part == "checkpoint":
+                tiny.save_ltx23_checkpoint(path, seed)
+            elif part == "gemma":
+                tiny.save_gemma3_12b(path, seed)
+            elif part == "gemma_lora":
+                save_file(tiny.gemma3_12b_lora(seed), str(path))
+            elif part == "upsampler":
+                tiny.save_ltx23_upsampler(path, seed)
+            else:
+                save_file(tiny.ltx23_lora(seed), str(path))
+
+    return write
+
+
 def _wav2vec2(released_width: int):
     def write(path, seed, server):
         from tpu_runtime.bridge.tiny import save_wav2vec2
@@ -653,6 +686,15 @@ MODEL_FILES = (
      ("AutoencodingEngine.decoder", "AutoencodingEngine.encoder" + IMAGE)),
     ("vae_name", r"^seedvr2_ema_vae_fp16\.safetensors$", _seedvr2("vae"),
      ("VideoAutoencoderKLWrapper.slicing_decode", "VideoAutoencoderKLWrapper.slicing_encode")),
+    # --- LTX-2.3 ---
+    ("ckpt_name", r"^ltx-2\.3-22b-(dev|distilled)(-fp8)?\.safetensors$", _ltx23("checkpoint"),
+     ("LTXAVModel", "LTXAVModel.preprocess_text_embeds", "VideoVAE.decoder", "VideoVAE.encoder" + IMAGE,
+      "AudioVAE.decode")),
+    ("text_encoder", r"^gemma_3_12B_it(_fp4_mixed|_fp8_scaled)?\.safetensors$", _ltx23("gemma"),
+     ("Gemma3_12B (gemma3_12b)",)),
+    ("model_name", r"^ltx-2\.3-spatial-upscaler-x2-.*\.safetensors$", _ltx23("upsampler"), ()),
+    ("lora_name", r"^ltx-2\.3-22b-distilled-lora|^ltx_2\.3_22b_distilled_.*lora", _ltx23("lora"), ()),
+    ("lora_name", r"^gemma-3-12b-it-.*lora", _ltx23("gemma_lora"), ()),
 )
 
 

@@ -167,3 +167,46 @@ def test_audio_vae_decodes_and_encodes_sound(pack):
     parts = bridged_parts(on_tpu)
     assert parts["decode"].stats.programs == parts["decode"].stats.calls == 1
     assert parts["autoencoder.encoder.forward"].stats.programs == 1
+
+
+def test_ltx23_template_files_equal_native(pack, tmp_path):
+    """LTX-2.3 as its templates load it: the checkpoint (transformer with 2.3's options, dual text projection) through
+    Load Checkpoint, Gemma 3 12B in its released layout (bfloat16, nvfp4 attention and feed-forward matrices) with the
+    checkpoint through Load LTXV Audio Text Encoder. The text encoder equals native within 1e-4 on a prompt padded to
+    the template's 1024 tokens (XLA's CPU backend keeps the bfloat16 rounding torch does: Gemma's ``w + 1`` norm scales
+    moved its states by 5% before); the transformer's sound stream, whose RoPE positions are latent times in seconds,
+    within 5e-6 a step over five seconds of sound (XLA's division by a number and its frequency grid moved it by 4e-5
+    a step before, more the longer the sound: ``EXACT_DIVISION`` and ``HOST_FUNCTIONS`` in bridge/comfy.py)."""
+    import comfy.nested_tensor
+    import comfy.sd
+    import nodes
+
+    from tpu_runtime.bridge import tiny
+
+    with tiny.gemma3_12b_reduced():
+        checkpoint = tiny.save_ltx23_checkpoint(tmp_path / "ltx-2.3-22b-dev-fp8.safetensors", seed=21)
+        gemma = tiny.save_gemma3_12b(tmp_path / "gemma_3_12B_it_fp4_mixed.safetensors", seed=22)
+        clip = comfy.sd.load_clip(ckpt_paths=[str(gemma), str(checkpoint)], clip_type=comfy.sd.CLIPType.LTXV)
+        with torch.inference_mode():
+            on_tpu = pack.NODE_CLASS_MAPPINGS["TPUTextEncoder"]().apply(clip)[0]
+            text = "pc game, console game, video game, cartoon, childish, ugly"
+            cond, extra = nodes.CLIPTextEncode().encode(clip, text)[0][0]
+            cond_tpu, _ = nodes.CLIPTextEncode().encode(on_tpu, text)[0][0]
+    width = tiny.LTX23_TINY["cross_attention_dim"] + tiny.LTX23_TINY["audio_cross_attention_dim"]
+    assert cond.shape[-1] == width and extra.get("unprocessed_ltxav_embeds")
+    assert relative(cond_tpu, cond) < TOL
+
+    model = comfy.sd.load_checkpoint_guess_config(str(checkpoint))[0]
+    assert type(model.model.diffusion_model).__name__ == "LTXAVModel"
+    g = torch.Generator().manual_seed(23)
+    positive = [[torch.randn(1, 9, width, generator=g), {"frame_rate": 25, "unprocessed_ltxav_embeds": True}]]
+    negative = [[torch.randn(1, 7, width, generator=g), {"frame_rate": 25, "unprocessed_ltxav_embeds": True}]]
+
+    def latent():
+        return comfy.nested_tensor.NestedTensor((torch.zeros(1, 128, 2, 2, 2), torch.zeros(1, 8, 126, 16)))
+
+    native = sample(model, latent(), positive, negative, cfg=1.0, steps=1)
+    out = sample(tpu(pack, model), latent(), positive, negative, cfg=1.0, steps=1)
+    (video, audio), (video_native, audio_native) = out.unbind(), native.unbind()
+    assert relative(video, video_native) < TOL
+    assert relative(audio, audio_native) < 5e-6

@@ -37,16 +37,20 @@ from tpu_runtime.bridge.tiny import UMT5_FILE_CONFIG
 SIZE = {"width": 32, "height": 32, "length": 5, "steps": 2}
 # --- other templates: sizes some models need larger than SIZE ---
 # Wan 2.2 S2V packs its motion frames 4x smaller again (a 4x8x8 patch of the latents): 64x64 frames at least.
-TEMPLATE_SIZES = {"video_wan2_2_14B_s2v": {"width": 64, "height": 64}}
-# What CI runs by default (each template costs about 1-2 minutes here, mostly the full-size Wan 2.1 VAE): on 0.3.64 text
-# to video, image to video with CLIP vision, Wan 2.2's two experts (first-last frame), VACE with a LoRA, Wan 2.2 TI2V-5B
-# (its VAE keeps its caches on the module in 0.3.64); on 0.33 (its rewritten Wan VAE, kitchen ops, new loaders) MiniMax
-# H3 image to video (the most used local video template), image to video with CLIP vision and VACE with a LoRA.
+# LTX-2's empty latent takes 64x64 frames at least (two latent pixels a side: 32x in space); 9 frames are two latent
+# frames (8x in time), so that image to video generates one besides the image's.
+TEMPLATE_SIZES = {"video_wan2_2_14B_s2v": {"width": 64, "height": 64},
+                  **{name: {"width": 64, "height": 64, "length": 9} for name in (
+                      "video_ltx2_3_i2v", "video_ltx2_3_t2v", "video_ltx2_3_ia2v", "video_ltx2_3_flf2v")}}
+# What CI runs by default (each template costs about 1-3 minutes here, mostly the full-size Wan 2.1 VAE): on 0.3.64
+# image to video with CLIP vision, Wan 2.2's two experts (first-last frame), VACE with a LoRA, Wan 2.2 TI2V-5B (its
+# VAE keeps its caches on the module in 0.3.64); on 0.33 (its rewritten Wan VAE, kitchen ops, new loaders) the three
+# most used local video templates: MiniMax H3 image to video, LTX-2.3 image to video (video with sound, Gemma 3, two
+# stages with a latent upscaler), Wan 2.2 14B image to video (its two experts and LoRAs inside a subgraph).
 # TPU_VIDEO_TEMPLATES=all runs every template the tree can run (docs/templates.md), or names some (comma-separated).
 CI_TEMPLATES = {
-    "0.3.": ("text_to_video_wan", "image_to_video_wan", "video_wan2_2_14B_flf2v", "video_wan_vace_14B_t2v",
-             "video_wan2_2_5B_ti2v"),
-    "0.33": ("video_minimax_h3_i2v", "image_to_video_wan", "video_wan_vace_14B_t2v"),
+    "0.3.": ("image_to_video_wan", "video_wan2_2_14B_flf2v", "video_wan_vace_14B_t2v", "video_wan2_2_5B_ti2v"),
+    "0.33": ("video_minimax_h3_i2v", "video_ltx2_3_i2v", "video_wan2_2_14B_i2v"),
 }
 SETTING = "TPUVideo.AutomaticMode"
 # ComfyUI 0.33 tells umT5-XXL from T5-XL and T5-base by its feed-forward width (10240; 0.3.64 reads the model width):
@@ -107,6 +111,12 @@ except ImportError:
     pass
 else:
     tiny.shrink_hunyuan_video_15()
+try:
+    import comfy.text_encoders.lt  # noqa: F401 - LTX-2's Gemma 3 12B
+except ImportError:
+    pass
+else:
+    tiny.shrink_gemma3_12b()
 NODE_CLASS_MAPPINGS = {}
 """
 
@@ -234,16 +244,17 @@ class Server:
 
 
 def _outputs(folder: Path) -> dict:
-    """node -> what was saved of it: ("decode", latent streams, frames) of a VAE decode, ("audio", waveform) of an
-    audio decode."""
+    """node -> what was saved of it: ("decode", latent streams, frames) of a VAE decode, ("audio", waveform, latent
+    streams) of an audio decode."""
     from PIL import Image
     from safetensors.torch import load_file
 
     out = {}
     for node in sorted(folder.iterdir()):
         audio = list(node.glob("audio_*.audio"))
+        latents = [load_file(str(p)) for p in node.glob("latent_*.latent")]
         if audio:
-            out[node.name] = ("audio", load_file(str(audio[0]))["waveform"])
+            out[node.name] = ("audio", load_file(str(audio[0]))["waveform"], latents[0] if latents else {})
             continue
         (latent,) = node.glob("latent_*.latent")
         frames = [np.asarray(Image.open(p)) for p in sorted(node.glob("frame_*.png"))]
@@ -312,6 +323,12 @@ def compare(native: dict, other: dict, what: str, tolerance: float = 1e-4) -> tu
     worst_latent, worst_frame = 0.0, 0
     for node, saved in native.items():
         if saved[0] == "audio":
+            assert set(other[node][2]) == set(saved[2]), (what, node)
+            for key, latent in saved[2].items():  # the latent it decodes
+                difference = relative(other[node][2][key], latent)
+                assert other[node][2][key].shape == latent.shape and difference < tolerance, (what, node, key,
+                                                                                               difference)
+                worst_latent = max(worst_latent, difference)
             difference = relative(other[node][1], saved[1])
             assert other[node][1].shape == saved[1].shape and difference < tolerance, (what, node, difference)
             worst_latent = max(worst_latent, difference)

@@ -372,9 +372,133 @@ def sizes_as_integers(env):
                 env._ops[key] = op
 
 
+# Per model class (any class in its MRO): functions of ComfyUI's code (module, attribute path) that compute token
+# positions from sizes alone and divide them by a number. XLA turns a division by a number into a multiplication by
+# its reciprocal, which is not the same float (1 ulp apart); RoPE multiplies positions by frequencies up to theta x
+# pi/2 (15708 for LTX), so an ulp of a position becomes a visible angle: LTX-2's audio stream (latent times in
+# seconds, hop / sample rate, then fractions of the longest duration) moved by 4e-5 a step, more the longer the
+# sound. While these functions are traced, their divisions divide (``exact_division``), as torch does.
+EXACT_DIVISION = {"LTXVModel": (("comfy.ldm.lightricks.model", "get_fractional_positions"),
+                                ("comfy.ldm.lightricks.symmetric_patchifier",
+                                 "AudioPatchifier._get_audio_latent_time_in_sec"))}
+
+
+def exact_division_functions(module: torch.nn.Module) -> tuple[tuple[str, str], ...]:
+    names = {cls.__name__ for cls in type(module).__mro__}
+    return tuple(f for cls, found in EXACT_DIVISION.items() if cls in names for f in found)
+
+
+@contextlib.contextmanager
+def exact_division(env):
+    """While entered: torch's division of a tensor by a number (or a tensor it broadcasts) divides by the number
+    spread to the result's shape behind an optimization barrier, so that XLA keeps the division instead of
+    multiplying by the reciprocal (meant for small tensors: positions)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    key = torch.ops.aten.div
+    original = env._ops.get(key)
+    if original is None:
+        yield
+        return
+
+    def divide(x, y, rounding_mode=None, **kwargs):
+        if rounding_mode is None and hasattr(x, "shape") and jnp.issubdtype(x.dtype, jnp.floating) and (
+                isinstance(y, (int, float)) or (hasattr(y, "shape") and y.shape != x.shape)):
+            shape = jnp.broadcast_shapes(x.shape, jnp.shape(y))
+            y = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(y, dtype=x.dtype), shape))
+        return original.func(x, y, **({"rounding_mode": rounding_mode} if rounding_mode is not None else {}), **kwargs)
+
+    env._ops[key] = dataclasses.replace(original, func=divide)
+    try:
+        yield
+    finally:
+        env._ops[key] = original
+
+
+@contextlib.contextmanager
+def _exact_division_in(functions, env):
+    """While entered, each of ``functions`` (module, attribute path) runs inside ``exact_division``."""
+    import functools
+    import importlib
+
+    replaced = []
+    for module_name, path in functions:
+        owner = importlib.import_module(module_name)
+        *parents, name = path.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent)
+        original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+
+        def wrapped(*args, __original=original, **kwargs):
+            with exact_division(env):
+                return __original(*args, **kwargs)
+
+        functools.update_wrapper(wrapped, original)
+        setattr(owner, name, wrapped)
+        replaced.append((owner, name, original))
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(replaced):
+            setattr(owner, name, original)
+
+
+# Per model class (any class in its MRO): attributes of the model holding functions of Python numbers alone that its
+# forward calls while traced, computed on the host by torch instead (their result a constant of the program). LTX's
+# RoPE frequency grid (``theta ** linspace(...) * pi / 2``): XLA's power and linspace land a few ulps off torch's, and
+# each frequency multiplies a position (the same effect as EXACT_DIVISION's).
+HOST_FUNCTIONS = {"LTXVModel": ("freq_grid_generator",)}
+
+
+def host_function_attributes(module: torch.nn.Module) -> tuple[str, ...]:
+    names = {cls.__name__ for cls in type(module).__mro__}
+    return tuple(a for cls, found in HOST_FUNCTIONS.items() if cls in names for a in found
+                 if callable(getattr(module, a, None)))
+
+
+def on_host(function, env):
+    """``function`` (of Python numbers, and devices taken as the host's) run by torch on the host while a program is
+    traced, its tensor result placed as a constant of the program."""
+    import torch.utils._python_dispatch as dispatch
+
+    def call(*args, **kwargs):
+        host = torch.device("cpu")
+        args = [host if isinstance(a, torch.device) else a for a in args]
+        kwargs = {k: host if isinstance(v, torch.device) else v for k, v in kwargs.items()}
+        with torch._C.DisableTorchFunction(), dispatch._disable_current_modes():
+            out = function(*args, **kwargs)
+        return env.to_xla(out) if isinstance(out, torch.Tensor) else out
+
+    return call
+
+
+@contextlib.contextmanager
+def _host_functions_of(module: torch.nn.Module, attributes, env):
+    saved = {a: module.__dict__.get(a) for a in attributes}
+    try:
+        for attribute in attributes:
+            setattr(module, attribute, on_host(getattr(module, attribute), env))
+        yield
+    finally:
+        for attribute, value in saved.items():
+            if value is None:
+                module.__dict__.pop(attribute, None)
+            else:
+                setattr(module, attribute, value)
+
+
 @contextlib.contextmanager
 def _trace_context(module: torch.nn.Module):
     context = comfy_attention_on_runtime(module)  # attention called without the override
+    functions, attributes = exact_division_functions(module), host_function_attributes(module)
+    if functions or attributes:
+        from ..engine.runtime import get_runtime
+
+        env = get_runtime().env
+        context = _stacked(context, _exact_division_in(functions, env), _host_functions_of(module, attributes, env))
     if not sizes_as_tensors(module):
         with context:
             yield
@@ -382,6 +506,14 @@ def _trace_context(module: torch.nn.Module):
     from ..engine.runtime import get_runtime
 
     with constants_evaluated(context), sizes_as_integers(get_runtime().env):
+        yield
+
+
+@contextlib.contextmanager
+def _stacked(*contexts):
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
         yield
 
 

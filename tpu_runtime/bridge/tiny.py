@@ -1158,3 +1158,194 @@ def save_hunyuan_video_15_vae(path: Path, seed: int, dtype=torch.float16) -> Pat
     vae = tiny_hunyuan_video_15_vae(seed=seed)
     save_file({k: v.to(dtype).contiguous() for k, v in vae.get_sd().items()}, str(path))
     return path
+
+
+# --- LTX-2.3 as its templates load it ---------------------------------------------------------------------------------
+# The LTX-2.3 checkpoint (``ltx-2.3-22b-dev-fp8``) holds the diffusion model, the video VAE, the audio VAE with its
+# vocoder and the text encoder's projection, its header's ``config`` describing each (ComfyUI reads them from there:
+# the transformer's options over what its shapes say, the VAEs' whole layout). The tiny one keeps 2.3's options (gated
+# attention, cross-attention AdaLN, caption projections before the connectors, dual text projections: the connectors
+# take the video and the audio stream's own widths) at LTXAV_TINY's widths.
+LTX23_TINY = {**LTXAV_TINY, "apply_gated_attention": True, "cross_attention_adaln": True,
+              "caption_proj_before_connector": True, "caption_projection_first_linear": False,
+              "connector_apply_gated_attention": True, "audio_connector_num_attention_heads": 2,
+              "audio_connector_attention_head_dim": 16}
+# LTX-2's video VAE (version 2's block kinds: space, time and space-time compression with residuals), one layer a
+# block and 32 base channels.
+LTX2_TINY_VAE = {
+    "dims": 3, "in_channels": 3, "out_channels": 3, "latent_channels": 128,
+    "encoder_blocks": [["res_x", {"num_layers": 1}], ["compress_space_res", {"multiplier": 2}],
+                       ["compress_time_res", {"multiplier": 2}], ["compress_all_res", {"multiplier": 2}],
+                       ["compress_all_res", {"multiplier": 1}], ["res_x", {"num_layers": 1}]],
+    "decoder_blocks": [["res_x", {"num_layers": 1, "inject_noise": False}],
+                       ["compress_all", {"residual": True, "multiplier": 2}],
+                       ["compress_all", {"residual": True, "multiplier": 2}],
+                       ["compress_all", {"residual": True, "multiplier": 2}],
+                       ["res_x", {"num_layers": 1, "inject_noise": False}]],
+    "encoder_base_channels": 16, "decoder_base_channels": 16,
+    "scaling_factor": 1.0, "norm_layer": "pixel_norm", "patch_size": 4, "latent_log_var": "uniform",
+    "use_quant_conv": False, "causal_decoder": False, "timestep_conditioning": False,
+}
+# Gemma 3 12B (comfy/text_encoders/llama.py builds it at a fixed size, and its SigLIP tower with it): reduced while
+# ``gemma3_12b_reduced`` is entered (``shrink_gemma3_12b`` for good, in a test's server). Its file keeps the released
+# layer count's last layer name (ComfyUI's Load CLIP tells Gemma 3 12B by it, and from Gemma 4 12B by a sixth layer's
+# value projection: six layers, five local ones and a global one as released); the head width stays 256.
+GEMMA3_12B_TINY = {**GEMMA3_TINY, "num_hidden_layers": 6}
+GEMMA3_12B_TINY_VISION = {**GEMMA3_TINY_VISION, "image_size": 56}
+# LTX-2.3's latent upscaler (comfy/ldm/lightricks/latent_upsampler.py), its configuration in the header as released.
+LTX23_TINY_UPSAMPLER = {"_class_name": "LatentUpsampler", "in_channels": 128, "mid_channels": 32,
+                        "num_blocks_per_stage": 1, "dims": 3, "spatial_upsample": True, "temporal_upsample": False,
+                        "spatial_scale": 2.0, "rational_resampler": False}
+
+
+def _gemma3_12b_reductions():
+    import dataclasses
+
+    import comfy.text_encoders.llama as llama
+
+    base = llama.Gemma3_12B_Config
+    if getattr(base, "_tiny", False):
+        return []
+    fields = {**GEMMA3_12B_TINY, "vision_config": {**llama.GEMMA3_VISION_CONFIG, **GEMMA3_12B_TINY_VISION}}
+    reduced = dataclasses.make_dataclass(
+        base.__name__, [(k, type(v), dataclasses.field(default_factory=lambda v=v: v)) for k, v in fields.items()],
+        bases=(base,))
+    reduced._tiny = True
+    reduced.__module__ = base.__module__
+    return [(llama, "Gemma3_12B_Config", reduced)]
+
+
+@contextlib.contextmanager
+def gemma3_12b_reduced():
+    """While the block runs, ComfyUI builds Gemma 3 12B (LTX-2's text encoder) at the tiny size above."""
+    replaced = _gemma3_12b_reductions()
+    saved = [(namespace, name, _get(namespace, name)) for namespace, name, _ in replaced]
+    try:
+        for namespace, name, value in replaced:
+            _set(namespace, name, value)
+        yield
+    finally:
+        for namespace, name, value in saved:
+            _set(namespace, name, value)
+
+
+def shrink_gemma3_12b() -> None:
+    """ComfyUI builds Gemma 3 12B at the tiny size above from now on (a test's server)."""
+    for namespace, name, value in _gemma3_12b_reductions():
+        _set(namespace, name, value)
+
+
+def save_gemma3_12b(path: Path, seed: int, quantized: bool = True, dtype=torch.bfloat16) -> Path:
+    """Gemma 3 12B as LTX-2's templates load it (``gemma_3_12B_it_fp4_mixed``: the language model, its vision tower
+    and projector, the SentencePiece model as ``spiece_model``), random, at the tiny size (inside
+    ``gemma3_12b_reduced``): the language layers' attention and feed-forward matrices nvfp4, the rest bf16 (the mixed
+    form), and an empty last layer name where the released file's 48th layer is."""
+    import comfy.ops
+    import comfy.text_encoders.llama as llama
+    from safetensors.torch import save_file
+
+    module = llama.Gemma3_12B({}, torch.float32, "cpu", comfy.ops.manual_cast)
+    state = {k: v.to(dtype) for k, v in random_state(module, seed).items()}
+    state["model.layers.47.self_attn.q_norm.weight"] = torch.zeros(0, dtype=dtype)
+    extra = gemma_tokenizer_data()
+    if not quantized:
+        save_file({**state, **extra}, str(path))
+        return path
+
+    def chosen(key):
+        return ("nvfp4", {}) if key.startswith("model.layers.") and "_proj." in key else None
+
+    return save_quantized(state, path, chosen, extra=extra)
+
+
+def tiny_ltx23(**overrides) -> tuple[torch.nn.Module, dict]:
+    """ComfyUI's LTX-2 class with LTX-2.3's options at a tiny size, and its header's transformer config."""
+    config = {**LTX23_TINY, **overrides}
+    module, _ = tiny_ltxav(**config)
+    return module, config
+
+
+def save_ltx23_checkpoint(path: Path, seed: int, dit_dtype=torch.float16) -> Path:
+    """The LTX-2.3 checkpoint as its templates name it (``ltx-2.3-22b-dev-fp8``): ``model.diffusion_model.`` (the
+    tiny LTX-2.3 transformer), ``vae.`` (the video VAE), ``audio_vae.`` and ``vocoder.`` (the audio VAE), the text
+    encoder's dual projection (``text_embedding_projection.``: Gemma 3's stacked states to the video and the audio
+    connectors' widths), with the header's ``config`` of each. The transformer's weights are ``dit_dtype`` (the tests'
+    loaders read fp8, fp16 and bf16 names alike), the rest float32."""
+    import json
+
+    import comfy.ldm.lightricks.vae.audio_vae as audio_vae
+    import comfy.ldm.lightricks.vae.causal_video_autoencoder as video_vae
+    import comfy.ops
+    import comfy.text_encoders.lt as lt
+    from safetensors.torch import save_file
+
+    module, transformer = tiny_ltx23()
+    config = {"transformer": transformer, "vae": LTX2_TINY_VAE, "audio_vae": LTXAV_TINY_AUDIO_VAE,
+              "vocoder": LTXAV_TINY_VOCODER}
+    metadata = {"config": json.dumps(config)}
+    state = {f"model.diffusion_model.{k}": v.to(dit_dtype) for k, v in random_state(module, seed).items()}
+    vae = random_state(video_vae.VideoVAE(config=LTX2_TINY_VAE), seed + 1)
+    for name in [k for k in vae if k.endswith("std-of-means")]:
+        vae[name] = vae[name].abs() + 0.5
+    state.update({f"vae.{k}": v for k, v in vae.items()})
+    audio = random_state(audio_vae.AudioVAE(metadata=metadata), seed + 2)
+    for name in [k for k in audio if k.endswith("std-of-means")]:
+        audio[name] = audio[name].abs() + 0.5
+    state.update({("audio_vae." + k[len("autoencoder."):] if k.startswith("autoencoder.") else k): v
+                  for k, v in audio.items()})
+    hidden = GEMMA3_12B_TINY["hidden_size"] * (GEMMA3_12B_TINY["num_hidden_layers"] + 1)
+    projection = lt.DualLinearProjection(hidden, transformer["cross_attention_dim"],
+                                         transformer["audio_cross_attention_dim"],
+                                         operations=comfy.ops.disable_weight_init)
+    state.update({f"text_embedding_projection.{k}": v for k, v in random_state(projection, seed + 3).items()})
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata=metadata)
+    return path
+
+
+def save_ltx23_upsampler(path: Path, seed: int) -> Path:
+    """LTX-2.3's spatial latent upscaler (``ltx-2.3-spatial-upscaler-x2-1.1``), random, at a tiny width, its
+    configuration in the header as released."""
+    import json
+
+    import comfy.ops
+    from comfy.ldm.lightricks.latent_upsampler import LatentUpsampler
+    from safetensors.torch import save_file
+
+    module = LatentUpsampler.from_config(LTX23_TINY_UPSAMPLER, operations=comfy.ops.disable_weight_init)
+    state = {k: v.to(torch.bfloat16) for k, v in random_state(module, seed).items()}
+    save_file(state, str(path), metadata={"config": json.dumps(LTX23_TINY_UPSAMPLER)})
+    return path
+
+
+def ltx23_lora(seed: int, rank: int = 4) -> dict[str, torch.Tensor]:
+    """A LoRA (``lora_A`` / ``lora_B``, bf16) for the attention and feed-forward matrices of the tiny LTX-2.3
+    transformer's blocks, in the ``diffusion_model.`` names LTX-2's LoRAs carry."""
+    import re
+
+    module, _ = tiny_ltx23()
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, sub in module.named_modules():
+        if isinstance(sub, torch.nn.Linear) and re.match(r"transformer_blocks\.\d+\.(attn\d|audio_attn\d|ff|audio_ff)",
+                                                         name):
+            key = f"diffusion_model.{name}"
+            out[f"{key}.lora_A.weight"] = (torch.randn(rank, sub.in_features, generator=g) * 0.05).to(torch.bfloat16)
+            out[f"{key}.lora_B.weight"] = (torch.randn(sub.out_features, rank, generator=g) * 0.05).to(torch.bfloat16)
+    return out
+
+
+def gemma3_12b_lora(seed: int, rank: int = 4) -> dict[str, torch.Tensor]:
+    """A LoRA for the tiny Gemma 3 12B's attention and feed-forward matrices (inside ``gemma3_12b_reduced``), in the
+    ``text_encoders.`` names ComfyUI maps to a text encoder's weights."""
+    import comfy.ops
+    import comfy.text_encoders.llama as llama
+
+    module = llama.Gemma3_12B({}, torch.float32, "cpu", comfy.ops.manual_cast)
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, sub in module.named_modules():
+        if isinstance(sub, torch.nn.Linear) and name.startswith("model.layers.") and name.endswith("_proj"):
+            key = f"text_encoders.gemma3_12b.transformer.{name}"
+            out[f"{key}.lora_A.weight"] = (torch.randn(rank, sub.in_features, generator=g) * 0.05).to(torch.bfloat16)
+            out[f"{key}.lora_B.weight"] = (torch.randn(sub.out_features, rank, generator=g) * 0.05).to(torch.bfloat16)
+    return out

@@ -277,6 +277,11 @@ def compiler_settings(platform: str = "") -> dict:
     for name in _JAX_SETTINGS:
         value = getattr(jax.config, name, None)
         out[name] = str(value)
+    from .runtime import compiler_options
+
+    options = compiler_options()
+    if options:  # the options every program is compiled with (runtime.compiler_options)
+        out["compiler_options"] = json.dumps(options, sort_keys=True)
     return out
 
 

@@ -159,9 +159,11 @@ def compile_stablehlo(blob: bytes, args: tuple | None = None):
     arguments to compile for, the jitted function (compiled at its first call)."""
     import jax
 
+    from .runtime import compiler_options
+
     exported = jax.export.deserialize(bytearray(blob))
     jitted = jax.jit(exported.call)
-    return jitted if args is None else jitted.lower(*args).compile()
+    return jitted if args is None else jitted.lower(*args).compile(compiler_options())
 
 
 def custom_calls(executable) -> list[str]:
