@@ -330,7 +330,7 @@ def test_a_family_workflow_runs_from_the_page_showing_its_compiles_and_its_video
     set_widgets(page, loader, {"mesh": "auto"})
 
     # Cancel inside the sampler's steps, then the next run works
-    set_widgets(page, sampler, {"width": 720, "height": 480, "length": 49, "steps": 1000, "seed": 2})  # native size
+    set_widgets(page, sampler, {"width": 192, "height": 128, "length": 17, "steps": 1000, "seed": 2})  # a new size
     run(page)
     page.wait_for_function("(id) => window.__tpu_events.some(e => e.type === 'progress' && String(e.detail.node) "
                            "=== String(id) && e.detail.value >= 2)", arg=sampler, timeout=120_000)
