@@ -6,10 +6,11 @@ import tpu_runtime.multihost  # noqa: F401 - installs the slice joiner: ComfyUI 
 from tpu_runtime.families import registry
 
 from . import bridge
-from .comfy_bridge import show_notices_in_the_page
+from .comfy_bridge import show_compile_progress_on_the_node, show_notices_in_the_page
 from .kinds import family_nodes
 
 show_notices_in_the_page()  # the runtime's notices (a model left on the host) reach the page, not only the log
+show_compile_progress_on_the_node()  # what compiles, and for how long, on the node that runs it
 
 NODE_CLASS_MAPPINGS: dict = {}
 NODE_DISPLAY_NAME_MAPPINGS: dict = {}

@@ -70,3 +70,43 @@ def show_notices_in_the_page() -> None:
     from tpu_runtime.engine import notices
 
     notices.add_listener(send_notice)
+
+
+def executing_node() -> str | None:
+    """The id of the node ComfyUI is running in this thread (its execution context where the server has one, else
+    the node the server last said was executing), or None outside a running ComfyUI server."""
+    import sys
+
+    utils = sys.modules.get("comfy_execution.utils")
+    context = getattr(utils, "get_executing_context", lambda: None)()
+    if context is not None:
+        return str(context.node_id)
+    server = getattr(getattr(sys.modules.get("server"), "PromptServer", None), "instance", None)
+    node_id = getattr(server, "last_node_id", None)
+    return None if node_id is None else str(node_id)
+
+
+def send_progress_text(text: str, node_id: str | None) -> bool:
+    """``text`` under the node ``node_id`` in the page: ComfyUI's progress text (the server's
+    ``send_progress_text``), to the client that queued the prompt. False outside a running ComfyUI server, without
+    a node, or on a server without progress text."""
+    import sys
+
+    server = getattr(getattr(sys.modules.get("server"), "PromptServer", None), "instance", None)
+    if node_id is None or server is None or not hasattr(server, "send_progress_text"):
+        return False
+    server.send_progress_text(text, node_id, getattr(server, "client_id", None))
+    return True
+
+
+def show_compile_progress_on_the_node() -> None:
+    """While the runtime compiles a program (``tpu_runtime.engine.progress``), the node that asked for it shows what
+    and for how long; a program loaded from a cache says so."""
+    from tpu_runtime.engine import progress
+
+    progress.set_context(executing_node)
+    progress.add_listener(_progress_on_the_node)
+
+
+def _progress_on_the_node(text: str, shown) -> None:
+    send_progress_text(text, shown.context)

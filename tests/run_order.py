@@ -16,6 +16,7 @@ import pytest
 LONGEST_FIRST = (
     "test_multihost.py",
     "test_templates.py",
+    "test_page.py",
     "test_wan_parity.py",
     "test_image_to_video.py",
     "test_plan.py",

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable
 import numpy as np
 import torch
 
+from . import progress
 from .dtypes import host_array, jax_dtype
 from .sharding import AXES as MESH_AXES
 from .sharding import MeshSpec
@@ -366,14 +367,17 @@ class Runtime:
             log.info("preparing %s (once per shape: later calls reuse it)", describe)
             before = compile_stats()
             start = time.perf_counter()
-            lowered = lower(fn, *example_args, static=static)
-            before_compile = compile_stats()
-            executable = lowered.compile(compiler_options())
-            compiled_here = compile_stats().since(before_compile).xla_compiles > 0  # not from a cache
+            with progress.compiling(describe) as shown:  # on the running node's face while it lasts
+                lowered = lower(fn, *example_args, static=static)
+                before_compile = compile_stats()
+                executable = lowered.compile(compiler_options())
+                compiled_here = compile_stats().since(before_compile).xla_compiles > 0  # not from a cache
+                delta = compile_stats().since(before)
+                if delta.persistent_cache_hits and not delta.xla_compiles:
+                    shown.source = progress.PERSISTENT_CACHE
             seconds = time.perf_counter() - start
             program = CompiledProgram(executable, seconds, _memory_analysis(executable))
             self._programs[full_key] = program
-            delta = compile_stats().since(before)
             if delta.persistent_cache_hits and not delta.xla_compiles:
                 log.info("loaded %s from the persistent compilation cache in %.1f s", describe, seconds)
             else:
@@ -421,6 +425,7 @@ class Runtime:
         _STATS.programs_loaded += 1
         how = "no tracing, no compile" if loaded.kind == "executable" else "its StableHLO compiled here, no tracing"
         log.info("loaded %s from the saved programs in %.2f s (%s)", describe, loaded.seconds, how)
+        progress.loaded(describe, loaded.seconds, progress.SAVED_PROGRAMS)
         return loaded
 
     def save_program(self, key: "ProgramKey", executable, describe: str, extra: Any = None, variant: str = "",
