@@ -43,6 +43,9 @@ def server(monkeypatch):
     module.PromptServer = types.SimpleNamespace(instance=fake)
     monkeypatch.setitem(sys.modules, "server", module)
     monkeypatch.setattr(progress, "TICK", 0.05)
+    # Only this copy's listener: the pack may be imported a second time under its folder's name (pytest imports a
+    # checkout's root __init__.py as a package), whose listener would send every line again.
+    monkeypatch.setattr(progress, "_listeners", [])
     show_compile_progress_on_the_node()
     yield fake
     progress.remove_listener(_progress_on_the_node)
