@@ -188,7 +188,10 @@ def _widget_names(info: dict) -> list[tuple[str, bool]]:
         for name, spec in info["input"].get(section, {}).items():
             kind = spec[0]
             options = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
-            if isinstance(kind, list) or kind in WIDGET_TYPES or kind == DYNAMIC_COMBO:
+            # an input of several types shows the widget of the first (``widgetType``: LTXV Empty Latent Audio's
+            # frame rate, FLOAT,INT)
+            if isinstance(kind, list) or kind in WIDGET_TYPES or kind == DYNAMIC_COMBO or (
+                    options.get("widgetType") in WIDGET_TYPES):
                 control = bool(options.get("control_after_generate")) or (
                     kind == "INT" and name in ("seed", "noise_seed"))
                 names.append((name, control))
@@ -615,8 +618,9 @@ def _hunyuan_video_15(part: str):
 
 
 def _ltx23(part: str):
-    """LTX-2.3's checkpoint, Gemma 3 12B, latent upscaler and LoRAs, at the tiny sizes a test's server builds Gemma 3
-    at (the rest is read from the files)."""
+    """LTX-2.3's (and LTX-2's: ``checkpoint 2.0``) checkpoint, Gemma 3 12B (nvfp4 matrices unless the name is the
+    plain one), latent upscaler and LoRAs, at the tiny sizes a test's server builds Gemma 3 at (the rest is read from
+    the files)."""
 
     def write(path, seed, server):
         from safetensors.torch import save_file
@@ -625,14 +629,16 @@ def _ltx23(part: str):
         with tiny.gemma3_12b_reduced():
             if part == "checkpoint":
                 tiny.save_ltx23_checkpoint(path, seed)
+            elif part == "checkpoint 2.0":
+                tiny.save_ltx23_checkpoint(path, seed, generation="2.0")
             elif part == "gemma":
-                tiny.save_gemma3_12b(path, seed)
+                tiny.save_gemma3_12b(path, seed, quantized="fp4" in path.name)
             elif part == "gemma_lora":
                 save_file(tiny.gemma3_12b_lora(seed), str(path))
             elif part == "upsampler":
                 tiny.save_ltx23_upsampler(path, seed)
             else:
-                save_file(tiny.ltx23_lora(seed), str(path))
+                save_file(tiny.ltx23_lora(seed, generation=part.split()[-1] if " " in part else "2.3"), str(path))
 
     return write
 
@@ -695,6 +701,12 @@ MODEL_FILES = (
     ("model_name", r"^ltx-2\.3-spatial-upscaler-x2-.*\.safetensors$", _ltx23("upsampler"), ()),
     ("lora_name", r"^ltx-2\.3-22b-distilled-lora|^ltx_2\.3_22b_distilled_.*lora", _ltx23("lora"), ()),
     ("lora_name", r"^gemma-3-12b-it-.*lora", _ltx23("gemma_lora"), ()),
+    # --- LTX-2 (its checkpoints name its 19B transformer; the same Gemma 3 files) ---
+    ("ckpt_name", r"^ltx-2-19b-(dev|distilled)(-fp8)?\.safetensors$", _ltx23("checkpoint 2.0"),
+     ("LTXAVModel", "LTXAVModel.preprocess_text_embeds", "VideoVAE.decoder", "VideoVAE.encoder" + IMAGE,
+      "AudioVAE.decode")),
+    ("model_name", r"^ltx-2-spatial-upscaler-x2-.*\.safetensors$", _ltx23("upsampler"), ()),
+    ("lora_name", r"^ltx-2-19b-distilled-lora-384\.safetensors$|^ltx2-squish\.safetensors$", _ltx23("lora 2.0"), ()),
 )
 
 

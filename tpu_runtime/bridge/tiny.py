@@ -1265,12 +1265,14 @@ def tiny_ltx23(**overrides) -> tuple[torch.nn.Module, dict]:
     return module, config
 
 
-def save_ltx23_checkpoint(path: Path, seed: int, dit_dtype=torch.float16) -> Path:
+def save_ltx23_checkpoint(path: Path, seed: int, dit_dtype=torch.float16, generation: str = "2.3") -> Path:
     """The LTX-2.3 checkpoint as its templates name it (``ltx-2.3-22b-dev-fp8``): ``model.diffusion_model.`` (the
     tiny LTX-2.3 transformer), ``vae.`` (the video VAE), ``audio_vae.`` and ``vocoder.`` (the audio VAE), the text
     encoder's dual projection (``text_embedding_projection.``: Gemma 3's stacked states to the video and the audio
     connectors' widths), with the header's ``config`` of each. The transformer's weights are ``dit_dtype`` (the tests'
-    loaders read fp8, fp16 and bf16 names alike), the rest float32."""
+    loaders read fp8, fp16 and bf16 names alike), the rest float32. ``generation`` "2.0": LTX-2's checkpoint
+    (``ltx-2-19b-dev-fp8``) instead: the transformer without 2.3's options (LTXAV_TINY) and a single projection
+    (``text_embedding_projection.aggregate_embed``) to its caption width, which both connectors take."""
     import json
 
     import comfy.ldm.lightricks.vae.audio_vae as audio_vae
@@ -1279,7 +1281,7 @@ def save_ltx23_checkpoint(path: Path, seed: int, dit_dtype=torch.float16) -> Pat
     import comfy.text_encoders.lt as lt
     from safetensors.torch import save_file
 
-    module, transformer = tiny_ltx23()
+    module, transformer = tiny_ltx23() if generation == "2.3" else (tiny_ltxav()[0], dict(LTXAV_TINY))
     config = {"transformer": transformer, "vae": LTX2_TINY_VAE, "audio_vae": LTXAV_TINY_AUDIO_VAE,
               "vocoder": LTXAV_TINY_VOCODER}
     metadata = {"config": json.dumps(config)}
@@ -1294,10 +1296,15 @@ def save_ltx23_checkpoint(path: Path, seed: int, dit_dtype=torch.float16) -> Pat
     state.update({("audio_vae." + k[len("autoencoder."):] if k.startswith("autoencoder.") else k): v
                   for k, v in audio.items()})
     hidden = GEMMA3_12B_TINY["hidden_size"] * (GEMMA3_12B_TINY["num_hidden_layers"] + 1)
-    projection = lt.DualLinearProjection(hidden, transformer["cross_attention_dim"],
-                                         transformer["audio_cross_attention_dim"],
-                                         operations=comfy.ops.disable_weight_init)
-    state.update({f"text_embedding_projection.{k}": v for k, v in random_state(projection, seed + 3).items()})
+    if generation == "2.3":
+        projection = lt.DualLinearProjection(hidden, transformer["cross_attention_dim"],
+                                             transformer["audio_cross_attention_dim"],
+                                             operations=comfy.ops.disable_weight_init)
+        state.update({f"text_embedding_projection.{k}": v for k, v in random_state(projection, seed + 3).items()})
+    else:
+        projection = torch.nn.Linear(hidden, transformer["caption_channels"], bias=False)
+        state.update({f"text_embedding_projection.aggregate_embed.{k}": v
+                      for k, v in random_state(projection, seed + 3).items()})
     save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata=metadata)
     return path
 
@@ -1317,12 +1324,12 @@ def save_ltx23_upsampler(path: Path, seed: int) -> Path:
     return path
 
 
-def ltx23_lora(seed: int, rank: int = 4) -> dict[str, torch.Tensor]:
+def ltx23_lora(seed: int, rank: int = 4, generation: str = "2.3") -> dict[str, torch.Tensor]:
     """A LoRA (``lora_A`` / ``lora_B``, bf16) for the attention and feed-forward matrices of the tiny LTX-2.3
-    transformer's blocks, in the ``diffusion_model.`` names LTX-2's LoRAs carry."""
+    transformer's blocks (``generation`` "2.0": LTX-2's), in the ``diffusion_model.`` names LTX-2's LoRAs carry."""
     import re
 
-    module, _ = tiny_ltx23()
+    module = tiny_ltx23()[0] if generation == "2.3" else tiny_ltxav()[0]
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, sub in module.named_modules():
