@@ -643,6 +643,19 @@ def _ltx23(part: str):
     return write
 
 
+def _ltx25(part: str):
+    """LTX-2.5's transformer, VAEs (separate files), Gemma 4 12B (with LTX's projection) and E2B (the prompt
+    enhancer), at the tiny sizes a test's server builds Gemma 4 at (the rest is read from the files)."""
+
+    def write(path, seed, server):
+        from tpu_runtime.bridge import tiny
+
+        with tiny.gemma4_reduced():
+            getattr(tiny, f"save_{part}")(path, seed)
+
+    return write
+
+
 def _wav2vec2(released_width: int):
     def write(path, seed, server):
         from tpu_runtime.bridge.tiny import save_wav2vec2
@@ -707,6 +720,16 @@ MODEL_FILES = (
       "AudioVAE.decode")),
     ("model_name", r"^ltx-2-spatial-upscaler-x2-.*\.safetensors$", _ltx23("upsampler"), ()),
     ("lora_name", r"^ltx-2-19b-distilled-lora-384\.safetensors$|^ltx2-squish\.safetensors$", _ltx23("lora 2.0"), ()),
+    # --- LTX-2.5 (its transformer and VAEs in files of their own, Gemma 4) ---
+    ("unet_name", r"^ltx-2\.5-22b-(dev|distilled)-transformer-comfy-int8-convrot\.safetensors$",
+     _ltx25("ltx25_transformer"), ("LTXAVModel", "LTXAVModel.preprocess_text_embeds")),
+    ("vae_name", r"^ltx-2\.5-video-vae-bf16\.safetensors$", _ltx25("ltx25_video_vae"),
+     ("VideoVAE.decoder", "VideoVAE.encoder" + IMAGE)),
+    ("vae_name", r"^ltx-2\.5-audio-vae-bf16\.safetensors$", _ltx25("ltx25_audio_vae"), ("AudioVAE.decode",)),
+    ("clip_name", r"^gemma4-12b-with-proj-ltx-2\.5-comfy-int8-convrot\.safetensors$",
+     _ltx25("gemma4_12b_with_projection"), ("Gemma4_12B (gemma4)",)),
+    ("clip_name", r"^gemma4_e2b_it_int8_convrot\.safetensors$", _ltx25("gemma4_e2b"), ()),
+    ("model_name", r"^ltx-2\.5-latent-spatial-upscaler-x2-.*\.safetensors$", _ltx23("upsampler"), ()),
 )
 
 

@@ -43,7 +43,7 @@ TEMPLATE_SIZES = {"video_wan2_2_14B_s2v": {"width": 64, "height": 64},
                   **{name: {"width": 64, "height": 64, "length": 9} for name in (
                       "video_ltx2_3_i2v", "video_ltx2_3_t2v", "video_ltx2_3_ia2v", "video_ltx2_3_flf2v",
                       "video_ltx2_i2v", "video_ltx2_i2v_distilled", "video_ltx2_t2v", "video_ltx2_t2v_distilled",
-                      "video_ltx2_i2v_lora")}}
+                      "video_ltx2_i2v_lora", "video_ltx2_5_i2v", "video_ltx2_5_t2v", "video_ltx2_5_flf2v")}}
 # What CI runs by default (each template costs about 1-3 minutes here, mostly the full-size Wan 2.1 VAE): on 0.3.64
 # image to video with CLIP vision, Wan 2.2's two experts (first-last frame), VACE with a LoRA, Wan 2.2 TI2V-5B (its
 # VAE keeps its caches on the module in 0.3.64); on 0.33 (its rewritten Wan VAE, kitchen ops, new loaders) the three
@@ -119,6 +119,12 @@ except ImportError:
     pass
 else:
     tiny.shrink_gemma3_12b()
+try:
+    import comfy.text_encoders.gemma4  # noqa: F401 - LTX-2.5's Gemma 4 12B and E2B
+except ImportError:
+    pass
+else:
+    tiny.shrink_gemma4()
 NODE_CLASS_MAPPINGS = {}
 """
 

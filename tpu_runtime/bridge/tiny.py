@@ -574,7 +574,7 @@ def quantize(weight: torch.Tensor, fmt: str, **conf) -> tuple[dict, dict]:
 
 
 def save_quantized(state: dict, path, formats, prefix: str = "", extra: dict | None = None, awq_seed: int | None = None,
-                   layer_entries: bool = False):
+                   layer_entries: bool = False, metadata: dict | None = None):
     """``state`` (float weights) saved with the linear weights ``formats(name)`` names quantized: (fmt, conf) or
     None to keep a weight as it is. ``awq_seed``: every quantized layer also carries an AWQ smoothing scale
     (``pre_quant_scale``, ModelOpt's: ComfyUI multiplies the layer's input by it), random and positive. The layers'
@@ -601,8 +601,8 @@ def save_quantized(state: dict, path, formats, prefix: str = "", extra: dict | N
             out[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps(conf).encode("utf-8")), dtype=torch.uint8)
         save_file(out, str(path))
         return path
-    save_file(out, str(path), metadata={"_quantization_metadata": json.dumps({"format_version": "1.0",
-                                                                               "layers": layers})})
+    save_file(out, str(path), metadata={**(metadata or {}), "_quantization_metadata": json.dumps(
+        {"format_version": "1.0", "layers": layers})})
     return path
 
 
@@ -907,14 +907,16 @@ def save_sam3(path: Path, seed: int, multiplex: bool = True, dtype=torch.float16
 INT8_CONVROT = ("int8_tensorwise", {"convrot": True, "convrot_groupsize": 16})
 
 
-def save_int8_convrot_blocks(module: torch.nn.Module, path: Path, seed: int, blocks: str = "blocks.") -> Path:
+def save_int8_convrot_blocks(module: torch.nn.Module, path: Path, seed: int, blocks: str = "blocks.",
+                             metadata: dict | None = None) -> Path:
     """A diffusion model file as the ``*_int8_convrot`` releases lay it out: the linear matrices of its transformer
-    blocks (names starting with ``blocks``) int8 with ConvRot (group 16), everything else float32, random."""
+    blocks (names starting with ``blocks``) int8 with ConvRot (group 16), everything else float32, random;
+    ``metadata``: more header entries (LTX's ``config``)."""
 
     def chosen(key):
         return INT8_CONVROT if key.startswith(blocks) else None
 
-    return save_quantized(random_state(module, seed), path, chosen, prefix="model.diffusion_model.")
+    return save_quantized(random_state(module, seed), path, chosen, prefix="model.diffusion_model.", metadata=metadata)
 
 
 def tiny_scail(dim: int = 128, layers: int = 1, scail2: bool = True) -> torch.nn.Module:
@@ -1356,3 +1358,186 @@ def gemma3_12b_lora(seed: int, rank: int = 4) -> dict[str, torch.Tensor]:
             out[f"{key}.lora_A.weight"] = (torch.randn(rank, sub.in_features, generator=g) * 0.05).to(torch.bfloat16)
             out[f"{key}.lora_B.weight"] = (torch.randn(sub.out_features, rank, generator=g) * 0.05).to(torch.bfloat16)
     return out
+
+
+
+# --- LTX-2.5: its transformer, VAEs and Gemma 4 text encoders as separate files ------------------------------------------
+# Gemma 4 12B (LTX-2.5's text encoder, with LTX's text projection in its file) and Gemma 4 E2B (the prompt enhancer:
+# text, image and audio towers) as comfy/text_encoders/gemma4.py builds them at a fixed size: reduced while
+# ``gemma4_reduced`` is entered (``shrink_gemma4`` for good, in a test's server). Their files keep the released layer
+# count's last layer name (ComfyUI's Load CLIP tells the variants apart by it); 12B keeps six layers (five local, a
+# global one without its value projection: how Load CLIP tells it from Gemma 3 12B).
+GEMMA4_TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+               "num_key_value_heads": 1}
+GEMMA4_TINY_HEADS = {"head_dim": 32, "global_head_dim": 64}
+GEMMA4_12B_TINY = {**GEMMA4_TINY, "num_hidden_layers": 6}
+GEMMA4_E2B_TINY = {**GEMMA4_TINY, "num_hidden_layers": 5, "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 16}
+GEMMA4_TINY_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_hidden_layers": 1,
+                      "head_dim": 16}
+GEMMA4_TINY_AUDIO = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
+                     "output_proj_dims": 32}
+GEMMA4_TINY_UNIFIED_VISION = {"mm_embed_dim": 32, "output_proj_dims": 32}
+GEMMA4_TINY_UNIFIED_AUDIO = {"output_proj_dims": 32}
+# Gemma 4's chat markers and media placeholders (ids as released where ComfyUI's code names them)
+GEMMA4_SPECIAL = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<|turn>": 4, "<turn|>": 5, "<|channel>": 6,
+                  "<channel|>": 7, "<|think|>": 8, "<|image>": 9, "<image|>": 10, "<|audio>": 11, "<audio|>": 12,
+                  "<|image|>": 258880, "<|audio|>": 258881, "<|video|>": 258884}
+
+
+def gemma4_tokenizer_data() -> dict:
+    """A tiny word-level tokenizer (the ``tokenizers`` JSON Gemma 4's files carry as ``tokenizer_json``) with Gemma's
+    special ids (pad 0, eos 1, bos 2) and Gemma 4's chat markers; every other id below the tiny vocabulary a word."""
+    import re
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from ..engine.tiny import CORPUS
+
+    vocab = dict(GEMMA4_SPECIAL)
+    words = sorted({w for line in CORPUS for w in re.findall(r"\w+|[^\w\s]", line.lower())})
+    free = (i for i in range(GEMMA4_TINY["vocab_size"]) if i not in vocab.values())
+    for i in free:
+        vocab[words.pop(0) if words else f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in GEMMA4_SPECIAL])
+    text = tok.to_str()
+    return {"tokenizer_json": torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)}
+
+
+def _gemma4_reductions():
+    import dataclasses
+
+    import comfy.text_encoders.gemma4 as gemma4
+
+    if getattr(gemma4.Gemma4_12B_Config, "_tiny", False):
+        return []
+
+    def reduced(base, fields, attributes):
+        cls = dataclasses.make_dataclass(
+            base.__name__, [(k, type(v), dataclasses.field(default=v)) for k, v in fields.items()], bases=(base,))
+        for k, v in attributes.items():
+            setattr(cls, k, v)
+        cls._tiny = True
+        cls.__module__ = base.__module__
+        return cls
+
+    e2b = reduced(gemma4.Gemma4_E2B_Config, GEMMA4_E2B_TINY, {
+        **GEMMA4_TINY_HEADS, "sliding_attention": [512, 512, False],
+        "vision_config": {**gemma4.GEMMA4_VISION_CONFIG, **GEMMA4_TINY_VISION},
+        "audio_config": {**gemma4.GEMMA4_AUDIO_CONFIG, **GEMMA4_TINY_AUDIO}})
+    twelve = reduced(gemma4.Gemma4_12B_Config, GEMMA4_12B_TINY, {
+        **GEMMA4_TINY_HEADS,
+        "vision_config": {**gemma4.GEMMA4_UNIFIED_VISION_CONFIG, **GEMMA4_TINY_UNIFIED_VISION},
+        "audio_config": {**gemma4.GEMMA4_UNIFIED_AUDIO_CONFIG, **GEMMA4_TINY_UNIFIED_AUDIO}})
+    return [(gemma4, "Gemma4_12B_Config", twelve), (gemma4, "Gemma4_E2B_Config", e2b),
+            (gemma4, "Gemma4_E2B", gemma4._make_variant(e2b))]
+
+
+@contextlib.contextmanager
+def gemma4_reduced():
+    """While the block runs, ComfyUI builds Gemma 4 12B and E2B at the tiny sizes above."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_replaced_cm(_gemma4_reductions()))
+        yield
+
+
+@contextlib.contextmanager
+def _replaced_cm(replaced):
+    saved = [(namespace, name, _get(namespace, name)) for namespace, name, _ in replaced]
+    try:
+        for namespace, name, value in replaced:
+            _set(namespace, name, value)
+        yield
+    finally:
+        for namespace, name, value in reversed(saved):
+            _set(namespace, name, value)
+
+
+def shrink_gemma4() -> None:
+    """ComfyUI builds Gemma 4 12B and E2B at the tiny sizes above from now on (a test's server)."""
+    for namespace, name, value in _gemma4_reductions():
+        _set(namespace, name, value)
+
+
+def _gemma4_int8_convrot(key):
+    return INT8_CONVROT if key.startswith("model.layers.") and "_proj." in key else None
+
+
+def save_gemma4_e2b(path: Path, seed: int) -> Path:
+    """Gemma 4 E2B as LTX-2.5's prompt enhancer loads it (``gemma4_e2b_it_int8_convrot``: the language model with its
+    per-layer inputs, the vision and audio towers and projectors, the tokenizer), random, at the tiny size (inside
+    ``gemma4_reduced``): the language layers' attention and feed-forward matrices int8 ConvRot, the rest bf16."""
+    import comfy.ops
+    import comfy.text_encoders.gemma4 as gemma4
+
+    module = gemma4.Gemma4_E2B({}, torch.float32, "cpu", comfy.ops.manual_cast)
+    state = {k: v.to(torch.bfloat16) for k, v in random_state(module, seed).items()}
+    state["model.layers.34.self_attn.q_norm.weight"] = torch.zeros(0, dtype=torch.bfloat16)
+    return save_quantized(state, path, _gemma4_int8_convrot, extra=gemma4_tokenizer_data())
+
+
+def save_gemma4_12b_with_projection(path: Path, seed: int) -> Path:
+    """Gemma 4 12B as LTX-2.5's templates load it (``gemma4-12b-with-proj-ltx-2.5-comfy-int8-convrot``: the language
+    model, its encoder-free image and audio embedders, LTX's dual text projection to the tiny LTX-2.3 transformer's
+    video and audio widths, the tokenizer), random, at the tiny size (inside ``gemma4_reduced``): the language
+    layers' attention and feed-forward matrices int8 ConvRot, the rest bf16."""
+    import comfy.ops
+    import comfy.text_encoders.gemma4 as gemma4
+    import comfy.text_encoders.lt as lt
+
+    module = gemma4.Gemma4_12B({}, torch.float32, "cpu", comfy.ops.manual_cast)
+    state = {k: v.to(torch.bfloat16) for k, v in random_state(module, seed).items()}
+    state["model.layers.47.self_attn.q_norm.weight"] = torch.zeros(0, dtype=torch.bfloat16)
+    hidden = GEMMA4_12B_TINY["hidden_size"] * (GEMMA4_12B_TINY["num_hidden_layers"] + 1)
+    transformer = tiny_ltx23()[1]
+    projection = lt.DualLinearProjection(hidden, transformer["cross_attention_dim"],
+                                         transformer["audio_cross_attention_dim"],
+                                         operations=comfy.ops.disable_weight_init)
+    state.update({f"text_embedding_projection.{k}": v.to(torch.bfloat16)
+                  for k, v in random_state(projection, seed + 1).items()})
+    return save_quantized(state, path, _gemma4_int8_convrot, extra=gemma4_tokenizer_data())
+
+
+def save_ltx25_transformer(path: Path, seed: int) -> Path:
+    """LTX-2.5's transformer alone (``ltx-2.5-22b-distilled-transformer-comfy-int8-convrot``): the tiny LTX-2.3
+    transformer, its blocks' matrices int8 ConvRot, its config in the header."""
+    import json
+
+    module, config = tiny_ltx23()
+    return save_int8_convrot_blocks(module, path, seed, blocks="transformer_blocks.",
+                                    metadata={"config": json.dumps({"transformer": config})})
+
+
+def save_ltx25_video_vae(path: Path, seed: int) -> Path:
+    """LTX-2.5's video VAE alone (``ltx-2.5-video-vae-bf16``), the tiny LTX-2 one, its config in the header."""
+    import json
+
+    import comfy.ldm.lightricks.vae.causal_video_autoencoder as video_vae
+    from safetensors.torch import save_file
+
+    vae = random_state(video_vae.VideoVAE(config=LTX2_TINY_VAE), seed)
+    for name in [k for k in vae if k.endswith("std-of-means")]:
+        vae[name] = vae[name].abs() + 0.5
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in vae.items()}, str(path),
+              metadata={"config": json.dumps({"vae": LTX2_TINY_VAE})})
+    return path
+
+
+def save_ltx25_audio_vae(path: Path, seed: int) -> Path:
+    """LTX-2.5's audio VAE and vocoder alone (``ltx-2.5-audio-vae-bf16``), the tiny LTX-2 ones, their config in the
+    header."""
+    import json
+
+    import comfy.ldm.lightricks.vae.audio_vae as audio_vae
+    from safetensors.torch import save_file
+
+    metadata = {"config": json.dumps({"audio_vae": LTXAV_TINY_AUDIO_VAE, "vocoder": LTXAV_TINY_VOCODER})}
+    audio = random_state(audio_vae.AudioVAE(metadata=metadata), seed)
+    for name in [k for k in audio if k.endswith("std-of-means")]:
+        audio[name] = audio[name].abs() + 0.5
+    state = {("audio_vae." + k[len("autoencoder."):] if k.startswith("autoencoder.") else k): v.to(torch.bfloat16)
+             for k, v in audio.items()}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata=metadata)
+    return path
