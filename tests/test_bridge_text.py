@@ -175,3 +175,30 @@ def test_bad_inputs_are_named_before_any_encode(pack, encoders):
         tpu_text(pack, encoders("umt5"), mesh="xp=1")
     with pytest.raises(InputError, match="the clip input holds a str"):
         tpu_text(pack, "not a clip")
+
+
+@pytest.mark.comfy_versions("0.33")
+def test_gemma4_is_refused_until_it_equals_native(pack):
+    """Gemma 4 (LTX-2.5's text encoders) on the runtime does not equal ComfyUI's own run yet: TPU Text Encoder
+    refuses it by name before anything runs, and the automatic mode leaves it on the host (ComfyUI's own result)."""
+    import types
+
+    import comfy.text_encoders.gemma4 as gemma4
+    from tpu_runtime.bridge import auto
+    from tpu_runtime.errors import InputError
+
+    transformer = gemma4.Gemma4_12B.__new__(gemma4.Gemma4_12B)  # ComfyUI's class; no weights needed to refuse it
+    torch.nn.Module.__init__(transformer)
+
+    class Holder(torch.nn.Module):  # ComfyUI's SDClipModel as the bridge finds it
+        def __init__(self):
+            super().__init__()
+            self.transformer = transformer
+
+        def process_tokens(self, *args):
+            raise AssertionError("nothing is encoded")
+
+    clip = types.SimpleNamespace(cond_stage_model=Holder(), patcher=object())
+    with pytest.raises(InputError, match=r"does not run Gemma 4 text encoders yet \(Gemma4_12B\).*encode on the host"):
+        tpu_text(pack, clip)
+    assert auto.on_runtime("text", clip, "CLIPLoader") is clip

@@ -187,6 +187,24 @@ def _vision_forward(cond_stage_model, name: str, visual: torch.nn.Module, settin
     return held_forward(cond_stage_model, f"{name}.transformer.visual", settings, build)
 
 
+# Text models whose program on the runtime is known not to equal ComfyUI's own run yet: refused, so that TPU Text
+# Encoder names it and the automatic mode leaves it on the host, rather than a wrong result. Gemma 4 (LTX-2.5's 12B
+# encoder and E2B prompt enhancer, ComfyUI 0.33's ``comfy.text_encoders.gemma4``): its conditioning differed from
+# native by 0.8 relative on the LTX-2.5 template's tiny files (docs/templates.md), while the same model run on torchax
+# outside the bridge was equal.
+KNOWN_DIFFERENT = {"comfy.text_encoders.gemma4": "Gemma 4"}
+
+
+def refuse_known_differences(transformer: torch.nn.Module) -> None:
+    """InputError for a text model of ``KNOWN_DIFFERENT`` (by the module of any class it derives from)."""
+    for cls in type(transformer).__mro__:
+        family = KNOWN_DIFFERENT.get(cls.__module__)
+        if family is not None:
+            raise InputError(f"TPU Text Encoder does not run {family} text encoders yet ({type(transformer).__name__}): "
+                             f"on the runtime their result still differs from ComfyUI's own run (docs/templates.md); "
+                             f"connect the loader's CLIP output directly to encode on the host")
+
+
 def text_encoder_on_runtime(clip, settings: BridgeSettings):
     """A clone of ``clip`` (ComfyUI's CLIP object) whose text models run on the runtime."""
     cond_stage_model = getattr(clip, "cond_stage_model", None)
@@ -198,6 +216,8 @@ def text_encoder_on_runtime(clip, settings: BridgeSettings):
         raise InputError(f"TPU Text Encoder does not know how to run {type(cond_stage_model).__name__}: it holds no "
                          f"text model ComfyUI feeds embeddings to; remove the TPU Text Encoder node to encode on the "
                          f"host")
+    for name, module in models:
+        refuse_known_differences(module.transformer)
     refuse_dynamic_patcher(clip.patcher, type(cond_stage_model).__name__)
     clone = clip.clone()
     for name, module in models:
