@@ -429,7 +429,9 @@ def _exact_division_in(functions, env):
         owner = importlib.import_module(module_name)
         *parents, name = path.split(".")
         for parent in parents:
-            owner = getattr(owner, parent)
+            owner = getattr(owner, parent, None)
+        if owner is None or not hasattr(owner, name):  # a ComfyUI tree without it (0.3.64 has no audio stream)
+            continue
         original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
 
         def wrapped(*args, __original=original, **kwargs):

@@ -159,7 +159,7 @@ def compile_stablehlo(blob: bytes, args: tuple | None = None):
     arguments to compile for, the jitted function (compiled at its first call)."""
     import jax
 
-    from .runtime import compiler_options
+    from .program_key import compiler_options
 
     exported = jax.export.deserialize(bytearray(blob))
     jitted = jax.jit(exported.call)

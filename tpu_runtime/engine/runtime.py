@@ -26,10 +26,11 @@ from . import progress
 from .dtypes import host_array, jax_dtype
 from .sharding import AXES as MESH_AXES
 from .sharding import MeshSpec
+from .program_key import compiler_options
+from .program_store import ProgramStore
 
 if TYPE_CHECKING:
     from .program_key import ProgramKey
-    from .program_store import ProgramStore
 
 log = logging.getLogger(__name__)
 
@@ -456,17 +457,6 @@ def lower(fn: Callable, *example_args, static: dict | None = None):
     jitted = jax.jit(fn, static_argnames=tuple(static) if static else ())
     with tracing():
         return jitted.lower(*example_args, **(static or {}))
-
-
-def compiler_options() -> dict | None:
-    """XLA options every program is compiled with. On the CPU backend: no excess precision. XLA's CPU backend computes
-    bfloat16 arithmetic in float32 and by default skips the rounding back to bfloat16 between fused operations; torch
-    rounds after each one. A bfloat16 weight plus one (Gemma's RMSNorm scale, ``w + 1``) then differed by up to an ulp
-    of bfloat16 (0.4%) from ComfyUI's own, and Gemma 3's states by 5% after six layers. Accelerators compute bfloat16
-    natively and keep XLA's defaults."""
-    import jax
-
-    return {"xla_allow_excess_precision": False} if jax.default_backend() == "cpu" else None
 
 
 def compile_afresh(lowered):
