@@ -727,7 +727,8 @@ MODEL_FILES = (
      ("VideoVAE.decoder", "VideoVAE.encoder" + IMAGE)),
     ("vae_name", r"^ltx-2\.5-audio-vae-bf16\.safetensors$", _ltx25("ltx25_audio_vae"), ("AudioVAE.decode",)),
     ("clip_name", r"^gemma4-12b-with-proj-ltx-2\.5-comfy-int8-convrot\.safetensors$",
-     _ltx25("gemma4_12b_with_projection"), ()),  # refused by the bridge for now (bridge/text.py KNOWN_DIFFERENT)
+     _ltx25("gemma4_12b_with_projection"), ("Gemma4_12B (gemma3_12b)",)),
+    # E2B is the prompt enhancer: its text is generated (TextGenerateLTX2Prompt, off in the templates), not encoded
     ("clip_name", r"^gemma4_e2b_it_int8_convrot\.safetensors$", _ltx25("gemma4_e2b"), ()),
     ("model_name", r"^ltx-2\.5-latent-spatial-upscaler-x2-.*\.safetensors$", _ltx23("upsampler"), ()),
 )

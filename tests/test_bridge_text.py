@@ -178,27 +178,23 @@ def test_bad_inputs_are_named_before_any_encode(pack, encoders):
 
 
 @pytest.mark.comfy_versions("0.33")
-def test_gemma4_is_refused_until_it_equals_native(pack):
-    """Gemma 4 (LTX-2.5's text encoders) on the runtime does not equal ComfyUI's own run yet: TPU Text Encoder
-    refuses it by name before anything runs, and the automatic mode leaves it on the host (ComfyUI's own result)."""
-    import types
+@pytest.mark.parametrize("variant", ["gemma4_12b_with_projection", "gemma4_e2b"])
+def test_gemma4_equals_native(pack, tmp_path, variant):
+    """Gemma 4 as LTX-2.5 loads it (ComfyUI 0.33's ``comfy.text_encoders.gemma4``, tiny, int8 ConvRot files): the 12B
+    encoder with LTX's projection, whose tokenizer pads every prompt to 1024 tokens (the sliding layers' window: their
+    keys are repeated over the query heads, the program XLA's CPU YNNPACK fusions miscomputed), and E2B. TPU Text
+    Encoder runs them and equals ComfyUI's own run."""
+    import comfy.sd
 
-    import comfy.text_encoders.gemma4 as gemma4
-    from tpu_runtime.bridge import auto
-    from tpu_runtime.errors import InputError
+    from tpu_runtime.bridge import tiny
 
-    transformer = gemma4.Gemma4_12B.__new__(gemma4.Gemma4_12B)  # ComfyUI's class; no weights needed to refuse it
-    torch.nn.Module.__init__(transformer)
-
-    class Holder(torch.nn.Module):  # ComfyUI's SDClipModel as the bridge finds it
-        def __init__(self):
-            super().__init__()
-            self.transformer = transformer
-
-        def process_tokens(self, *args):
-            raise AssertionError("nothing is encoded")
-
-    clip = types.SimpleNamespace(cond_stage_model=Holder(), patcher=object())
-    with pytest.raises(InputError, match=r"does not run Gemma 4 text encoders yet \(Gemma4_12B\).*encode on the host"):
-        tpu_text(pack, clip)
-    assert auto.on_runtime("text", clip, "CLIPLoader") is clip
+    path = tmp_path / f"{variant}.safetensors"
+    with tiny.gemma4_reduced():
+        getattr(tiny, f"save_{variant}")(path, seed=3)
+        kind = comfy.sd.CLIPType.LTXV if "12b" in variant else comfy.sd.CLIPType.STABLE_DIFFUSION
+        clip = comfy.sd.load_clip([str(path)], clip_type=kind)
+        on_tpu = tpu_text(pack, clip)
+        for text in PROMPTS:
+            assert_equal_native(clip, on_tpu, text)
+    (model,) = text_models(on_tpu).values()
+    assert type(model.module).__module__ == "comfy.text_encoders.gemma4"

@@ -187,12 +187,11 @@ def _vision_forward(cond_stage_model, name: str, visual: torch.nn.Module, settin
     return held_forward(cond_stage_model, f"{name}.transformer.visual", settings, build)
 
 
-# Text models whose program on the runtime is known not to equal ComfyUI's own run yet: refused, so that TPU Text
-# Encoder names it and the automatic mode leaves it on the host, rather than a wrong result. Gemma 4 (LTX-2.5's 12B
-# encoder and E2B prompt enhancer, ComfyUI 0.33's ``comfy.text_encoders.gemma4``): its conditioning differed from
-# native by 0.8 relative on the LTX-2.5 template's tiny files (docs/templates.md), while the same model run on torchax
-# outside the bridge was equal.
-KNOWN_DIFFERENT = {"comfy.text_encoders.gemma4": "Gemma 4"}
+# Text models whose program on the runtime is known not to equal ComfyUI's own run yet, by the module of their class
+# (e.g. ``{"comfy.text_encoders.gemma4": "Gemma 4"}``): refused, so that TPU Text Encoder names it and the automatic
+# mode leaves it on the host, rather than a wrong result. None now: Gemma 4 (LTX-2.5's encoders) was here until its
+# difference was found in XLA's CPU backend, not in the bridge (``engine/program_key.compiler_options``).
+KNOWN_DIFFERENT: dict[str, str] = {}
 
 
 def refuse_known_differences(transformer: torch.nn.Module) -> None:

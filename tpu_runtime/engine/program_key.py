@@ -369,11 +369,54 @@ def stable_text(value: Any) -> str | None:
 
 
 def compiler_options() -> dict | None:
-    """XLA options every program is compiled with. On the CPU backend: no excess precision. XLA's CPU backend computes
-    bfloat16 arithmetic in float32 and by default skips the rounding back to bfloat16 between fused operations; torch
-    rounds after each one. A bfloat16 weight plus one (Gemma's RMSNorm scale, ``w + 1``) then differed by up to an ulp
-    of bfloat16 (0.4%) from ComfyUI's own, and Gemma 3's states by 5% after six layers. Accelerators compute bfloat16
-    natively and keep XLA's defaults."""
+    """XLA options every program is compiled with. On the CPU backend:
+
+    - No excess precision. XLA's CPU backend computes bfloat16 arithmetic in float32 and by default skips the
+      rounding back to bfloat16 between fused operations; torch rounds after each one. A bfloat16 weight plus one
+      (Gemma's RMSNorm scale, ``w + 1``) then differed by up to an ulp of bfloat16 (0.4%) from ComfyUI's own, and
+      Gemma 3's states by 5% after six layers.
+    - No YNNPACK fusions (``CPU_YNN_FUSIONS_OFF``), where this jaxlib has them. XLA's CPU backend (jaxlib 0.10.2)
+      miscomputes a YNNPACK fusion of a batched dot whose operand is a broadcast that another operation also reads,
+      with a reduction after it (attention's scores and their softmax, keys repeated over the query heads): the
+      result was off by about 100% relative. Gemma 4 12B's sliding layers repeat their keys so when a prompt is as
+      long as the window (LTX-2.5 pads its prompts to 1024 tokens); its conditioning differed from ComfyUI's own by
+      0.6 relative until this was set.
+
+    Accelerators compute bfloat16 natively and keep XLA's defaults."""
     import jax
 
-    return {"xla_allow_excess_precision": False} if jax.default_backend() == "cpu" else None
+    if jax.default_backend() != "cpu":
+        return None
+    options = {"xla_allow_excess_precision": False}
+    for name, value in CPU_YNN_FUSIONS_OFF.items():
+        if _cpu_option_known(name, value):
+            options[name] = value
+    return options
+
+
+# XLA's CPU YNNPACK fusion kinds to use (the ``xla_cpu_experimental_ynn_fusion_type`` list): none (compiler_options).
+CPU_YNN_FUSIONS_OFF = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_option_known(name: str, value: str) -> bool:
+    """Whether this jaxlib's CPU compiler takes the option (an older one has no such option and refuses every
+    compile that names it): a trivial program compiled with it once, outside the runtime's compile counts and the
+    persistent compilation cache."""
+    import jax
+
+    stats = sys.modules.get(f"{__package__}.runtime")
+    saved = stats._STATS.snapshot() if stats is not None else None
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((1,), "float32")).compile({name: value})
+        return True
+    except Exception:  # noqa: BLE001 - an unknown option or value: compile without it
+        return False
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
+        if saved is not None:
+            for field_name in ("backend_compiles", "persistent_cache_hits", "compile_seconds", "traces",
+                               "programs_loaded"):
+                setattr(stats._STATS, field_name, getattr(saved, field_name))
