@@ -216,9 +216,10 @@ def _scaled(module, scale):
     return module
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["looked up", "read ahead"])
 @pytest.mark.parametrize("damage, said", [
     ("cut", "cut short"), ("garbage", "not a saved program"), ("flipped", "checksum"), ("header", "header")])
-def test_a_damaged_file_is_named_removed_and_rebuilt(runtime, store, caplog, damage, said):
+def test_a_damaged_file_is_named_removed_and_rebuilt(runtime, store, caplog, damage, said, ahead):
     torch.manual_seed(0)
     module = Mlp()
     first = run_program(runtime, module)
@@ -232,6 +233,8 @@ def test_a_damaged_file_is_named_removed_and_rebuilt(runtime, store, caplog, dam
         path.write_bytes(data[:-10] + bytes(b ^ 0xFF for b in data[-10:]))
     else:
         path.write_bytes(data[:40] + b"{not json" + data[49:])
+    if ahead:  # a file whose header still reads is read ahead, fails there, and is named when it is looked up
+        store.read_ahead("test mlp", lambda fields: True)
     caplog.set_level(logging.INFO, logger="tpu_runtime")
     before = compile_stats()
     again = run_program(runtime, module)
@@ -240,6 +243,51 @@ def test_a_damaged_file_is_named_removed_and_rebuilt(runtime, store, caplog, dam
     assert compile_stats().since(before).traces == 1 and again.tobytes() == first.tobytes()
     header, _ = read_file(path)  # rebuilt whole under the same name
     assert header["describe"] == "test mlp"
+
+
+def test_a_program_read_ahead_is_used_by_the_call_and_gives_the_same_bits(runtime, store, caplog):
+    """A wrapped model's saved programs load in the background (``read_ahead``) while its weights are placed: the
+    call takes the one read ahead (nothing traced, compiled or loaded twice), with the same bits."""
+    torch.manual_seed(0)
+    module = Mlp()
+    first = run_program(runtime, module)
+    (path,) = store.folder.iterdir()
+    assert runtime.read_ahead("test mlp") == [path]
+    assert runtime.read_ahead("test mlp") == []  # already on its way: not loaded twice
+    assert runtime.read_ahead("another role") == []
+    caplog.set_level(logging.INFO, logger="tpu_runtime")
+    before = compile_stats()
+    again = run_program(runtime, module)
+    delta = compile_stats().since(before)
+    assert (delta.traces, delta.backend_compiles, delta.programs_loaded) == (0, 0, 1)
+    assert again.tobytes() == first.tobytes()
+    assert any("read ahead" in r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded test mlp"))
+    assert not store._ahead  # handed over, not kept
+    # a program read ahead and then dropped (its module released) is loaded as usual when asked for
+    runtime.read_ahead("test mlp")
+    store.drop_read_ahead("test mlp")
+    caplog.clear()
+    assert run_program(runtime, module).tobytes() == first.tobytes()
+    assert not any("read ahead" in r.getMessage() for r in caplog.records)
+
+
+def test_a_program_of_other_software_or_devices_is_never_read_ahead(runtime, store, monkeypatch):
+    """Reading ahead hands a file to the backend before the call's key is known: only files written for this
+    software, these devices and this compiler are read (a program of another jaxlib could crash the loader)."""
+    import jax
+
+    torch.manual_seed(0)
+    run_program(runtime, Mlp())
+    with monkeypatch.context() as m:
+        m.setattr(jax, "__version__", "0.0.1+not.this.one")
+        assert runtime.read_ahead("test mlp") == []
+    with monkeypatch.context() as m:
+        m.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=false")
+        assert runtime.read_ahead("test mlp") == []
+    with monkeypatch.context() as m:
+        m.setattr(runtime.devices[0].__class__, "device_kind", property(lambda self: "another kind"), raising=False)
+        assert runtime.read_ahead("test mlp") == []
+    assert len(runtime.read_ahead("test mlp")) == 1  # and for this software and these devices it is
 
 
 def test_the_size_limit_removes_the_least_recently_used_first(runtime, store):
@@ -388,7 +436,8 @@ def test_plan_for_this_cpu_saves_what_a_fresh_generate_loads(tiny_wan, runtime, 
 def test_bridged_models_load_their_programs_in_a_fresh_process(tmp_path):
     """``bench --restart`` on ComfyUI's LTX-2 class (the newest tree; its text connectors a program of their own, its
     latent a nested tensor of video and sound, its options read while traced): the warm process traces and compiles
-    nothing, loads what the cold one saved, and its first step equals the cold one's bit for bit. (The Wan scenario
+    nothing, loads what the cold one saved (read ahead while ComfyUI prepares the model), and its first step equals the
+    cold one's bit for bit. (The Wan scenario
     runs the same path with one program; ``bench --restart`` measures both.)"""
     from comfy_native import COMFYUI_TREES, NEWEST
 
@@ -402,5 +451,8 @@ def test_bridged_models_load_their_programs_in_a_fresh_process(tmp_path):
         assert cold["traces"] >= 1 and cold["xla_compiles"] >= 1 and cold["programs_loaded"] == 0, scenario
         assert (warm["traces"], warm["xla_compiles"]) == (0, 0), (scenario, warm["log"])
         assert warm["programs_loaded"] == cold["xla_compiles"] and warm["equal_to_cold"], scenario
+        # each of the model's and its connectors' programs was read ahead when ComfyUI's model was wrapped
+        loaded = [line for line in warm["log"] if "from the saved programs" in line]
+        assert len(loaded) == warm["programs_loaded"] and all("read ahead" in line for line in loaded), loaded
     table = format_restart(r)
     assert "warm, saved programs" in table and "x cold" in table

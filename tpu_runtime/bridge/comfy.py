@@ -294,7 +294,8 @@ def held_forward(owner, part: str, settings, build: Callable[[], BridgedForward]
         forward = build()
         _forwards[key] = (settings, forward)
         weakref.finalize(owner, _forget, key, forward)
-        return forward
+    forward.bridged.read_ahead()  # a warm start: its saved programs load while ComfyUI prepares the model
+    return forward
 
 
 # Per model class (any class in its MRO): the arguments of its forward whose tensors its code uses as Python values

@@ -288,8 +288,30 @@ class BridgedModule:
         if self.quantized:
             quantized.install(self.runtime.env)
 
+    @property
+    def saved_role(self) -> str:
+        """The role of this module's saved programs (``saved.py``)."""
+        return f"{self.label} (native bridge)"
+
+    def read_ahead(self) -> None:
+        """Start loading this module's most recently used saved programs in the background, so that a warm start's
+        first call finds its program loaded while ComfyUI prepared the model and its inputs. Never fails: a program
+        read ahead is still used only when its whole key equals the call's."""
+        try:
+            runtime = self.runtime  # a runtime that cannot start says so at the first call, as before
+            if getattr(runtime, "slice", None) is not None:
+                return
+            started = runtime.read_ahead(self.saved_role)
+        except Exception as error:  # noqa: BLE001 - an optimisation: the call loads or builds as before
+            log.debug("%s: no saved programs read ahead (%s: %s)", self.label, type(error).__name__, error)
+            return
+        if started:
+            log.info("%s: reading %d saved program%s ahead", self.label, len(started), "s" if len(started) > 1 else "")
+
     def release(self) -> None:
         """Drop the device copy of the weights (compiled programs stay: they hold no weights)."""
+        if self._runtime is not None:
+            self._runtime.saved_programs.drop_read_ahead(self.saved_role)
         with self._lock:
             if self.state is not None:
                 log.info("%s: device weights released", self.label)

@@ -116,7 +116,7 @@ class SavedProgram:
         except _Unstable as why:
             _say_unsaved(bridged, f"its call holds {why}")
             return
-        role = ProgramKey(f"{bridged.label} (native bridge)",
+        role = ProgramKey(bridged.saved_role,
                           {"program": fields, "model": describe_module(bridged.module, bridged.host_recorded)})
         self.key = bridged.runtime.program_key(role, (state, bridged._abstract_inputs(call)))
 

@@ -30,6 +30,7 @@ import logging
 import os
 import pickle
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -45,6 +46,8 @@ FOLDER = "programs"  # under the runtime's cache directory
 SUFFIX = ".program"
 MAGIC = b"TPU video nodes program\n"
 _HEADER_LIMIT = 64 << 20  # a header longer than this is not one of ours
+READ_AHEAD = 2  # saved programs of a module loaded in the background when it is wrapped (the most recently used)
+_READERS = 2  # files read ahead at once: a small program (LTX-2's connectors) needed first is not queued behind a big one
 _STALE_TEMPORARY = 3600.0  # seconds after which a half-written file (a process killed while saving) is removed
 
 
@@ -62,6 +65,7 @@ class Loaded:
     seconds: float
     path: Path
     kind: str
+    ahead: bool = False  # loaded in the background before it was asked for (``ProgramStore.read_ahead``)
 
 
 @dataclass
@@ -196,6 +200,18 @@ def _load_payload(payload: dict, args: tuple | None):
     return compile_stablehlo(payload["exported"], args), "stablehlo"
 
 
+def _load_file(path: Path) -> tuple:
+    """(header, data, executable, kind, seconds) of a program file, loaded (``read_ahead``'s background work)."""
+    start = time.perf_counter()
+    header, payload = read_file(path)
+    data = pickle.loads(payload)
+    if "executable" not in data:
+        raise Damaged("it holds no executable")
+    prepare_custom_calls(header.get("custom_calls", ()))
+    executable, kind = _load_payload(data, None)
+    return header, data, executable, kind, time.perf_counter() - start
+
+
 # --- the store --------------------------------------------------------------------------------------------------------
 class ProgramStore:
     """Saved programs in ``folder`` (written, at most ``limit_bytes``) and ``read_only`` folders (read)."""
@@ -205,6 +221,9 @@ class ProgramStore:
         self.limit_bytes = limit_bytes
         self.read_only = [Path(p) for p in read_only]
         self._unsaved_roles: set = set()
+        self._ahead: dict[Path, Future] = {}  # files being loaded in the background (``read_ahead``)
+        self._ahead_roles: dict[Path, str] = {}
+        self._reader: ThreadPoolExecutor | None = None
         if self.folder is not None and create:
             self.folder.mkdir(parents=True, exist_ok=True)
 
@@ -248,15 +267,23 @@ class ProgramStore:
 
     def _try(self, path: Path, writable: bool, key: ProgramKey, accept, args) -> Loaded | None:
         start = time.perf_counter()
+        ahead = self._ahead.pop(path, None)
+        self._ahead_roles.pop(path, None)
         try:
-            header, payload = read_file(path)
+            if ahead is not None:  # read in the background: waited for here (a damaged file raises as below)
+                header, data, executable, kind, seconds = ahead.result()
+            else:
+                header, payload = read_file(path)
             if header.get("role") != key.role or header.get("fields") != key.fields:
                 return None  # another program whose digest begins alike
-            data = pickle.loads(payload)
+            if ahead is None:
+                data = pickle.loads(payload)
             if accept is not None and not accept(data.get("extra")):
                 return None
-            prepare_custom_calls(header.get("custom_calls", ()))
-            executable, kind = _load_payload(data, args)
+            if ahead is None:
+                prepare_custom_calls(header.get("custom_calls", ()))
+                executable, kind = _load_payload(data, args)
+                seconds = time.perf_counter() - start
         except FileNotFoundError:
             return None  # removed meanwhile (another process evicted it)
         except Exception as exc:  # noqa: BLE001 - damaged, or refused by this backend: built again
@@ -264,7 +291,46 @@ class ProgramStore:
             return None
         if writable:
             _touch(path)
-        return Loaded(executable, data.get("extra"), time.perf_counter() - start, path, kind)
+        return Loaded(executable, data.get("extra"), seconds, path, kind, ahead is not None)
+
+    # --- reading ahead ------------------------------------------------------------------------------------------
+    def read_ahead(self, role: str, agrees: Callable[[dict], bool], limit: int = READ_AHEAD) -> list[Path]:
+        """Start loading, in background threads, the ``limit`` most recently used saved programs
+        of ``role`` whose key's fields ``agrees`` takes (what is known before a call: the software, the devices, the
+        compiler). A later ``find`` of one of them waits for it rather than loading it again; meanwhile the caller
+        places its weights and prepares its inputs (the backend's loader does not hold Python's lock). Only files
+        of this role written for this software and these devices are read: a program of another jaxlib is never
+        handed to the backend. Returns the files started."""
+        candidates = []
+        for folder, _ in self._folders():
+            if not folder.is_dir():
+                continue
+            for path in folder.glob(f"{_role_id(role)}-*{SUFFIX}"):
+                if path in self._ahead:
+                    continue
+                try:
+                    header, _ = read_header(path)
+                    used = path.stat().st_mtime
+                except Exception:  # noqa: BLE001 - a damaged file: named when it is looked up itself
+                    continue
+                if header.get("role") == role and header.get("kind") == "executable" and agrees(
+                        header.get("fields", {})):
+                    candidates.append((used, path))
+        started = [path for _, path in sorted(candidates, key=lambda c: (-c[0], c[1].name))[:limit]]
+        if started and self._reader is None:
+            self._reader = ThreadPoolExecutor(max_workers=_READERS, thread_name_prefix="tpu-video-read-ahead")
+        for path in started:
+            self._ahead_roles[path] = role
+            self._ahead[path] = self._reader.submit(_load_file, path)
+        return started
+
+    def drop_read_ahead(self, role: str) -> None:
+        """Forget the programs of ``role`` read ahead and not used (their module was released)."""
+        for path in [p for p, r in list(self._ahead_roles.items()) if r == role]:
+            self._ahead_roles.pop(path, None)
+            future = self._ahead.pop(path, None)
+            if future is not None:
+                future.cancel()
 
     def _discard(self, path: Path, writable: bool, error: Exception) -> None:
         reason = str(error) if isinstance(error, Damaged) else f"it could not be loaded: {type(error).__name__}: " \

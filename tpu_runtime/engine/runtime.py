@@ -425,9 +425,31 @@ class Runtime:
             return None
         _STATS.programs_loaded += 1
         how = "no tracing, no compile" if loaded.kind == "executable" else "its StableHLO compiled here, no tracing"
+        if loaded.ahead:
+            how += "; read ahead while the model was prepared"
         log.info("loaded %s from the saved programs in %.2f s (%s)", describe, loaded.seconds, how)
         progress.loaded(describe, loaded.seconds, progress.SAVED_PROGRAMS)
         return loaded
+
+    def read_ahead(self, role: str) -> list:
+        """Start loading, in the background, the most recently used saved programs of ``role`` made for this
+        software, these devices and this compiler (``ProgramStore.read_ahead``): a wrapped model's programs load while
+        its weights are placed. Returns the files started (none where saved programs are off)."""
+        from .program_key import compiler_settings, software
+
+        store = self.saved_programs
+        if not store.enabled:
+            return []
+        first = self.devices[0]
+        platform, kind = first.platform, first.device_kind
+        expected = {"software": software(platform), "compiler": compiler_settings(platform)}
+
+        def agrees(fields: dict) -> bool:
+            devices = fields.get("devices", {})
+            return (devices.get("platform") == platform and devices.get("kind") == kind
+                    and all(fields.get(name) == value for name, value in expected.items()))
+
+        return store.read_ahead(role, agrees)
 
     def save_program(self, key: "ProgramKey", executable, describe: str, extra: Any = None, variant: str = "",
                      export: Callable[[], bytes] | None = None):
