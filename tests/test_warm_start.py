@@ -245,7 +245,7 @@ def test_a_damaged_file_is_named_removed_and_rebuilt(runtime, store, caplog, dam
     assert header["describe"] == "test mlp"
 
 
-def test_a_program_read_ahead_is_used_by_the_call_and_gives_the_same_bits(runtime, store, caplog):
+def test_a_program_read_ahead_is_used_by_the_call_and_gives_the_same_bits(runtime, store, caplog, monkeypatch):
     """A wrapped model's saved programs load in the background (``read_ahead``) while its weights are placed: the
     call takes the one read ahead (nothing traced, compiled or loaded twice), with the same bits."""
     torch.manual_seed(0)
@@ -263,6 +263,9 @@ def test_a_program_read_ahead_is_used_by_the_call_and_gives_the_same_bits(runtim
     assert again.tobytes() == first.tobytes()
     assert any("read ahead" in r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded test mlp"))
     assert not store._ahead  # handed over, not kept
+    with monkeypatch.context() as m:
+        m.setenv("TPU_VIDEO_READ_AHEAD", "0")  # off: each program loads when its call comes
+        assert runtime.read_ahead("test mlp") == []
     # a program read ahead and then dropped (its module released) is loaded as usual when asked for
     runtime.read_ahead("test mlp")
     store.drop_read_ahead("test mlp")
@@ -359,7 +362,7 @@ def test_a_program_calling_lapack_runs_in_a_process_that_traced_nothing(tmp_path
 
 # --- plan --save ---------------------------------------------------------------------------------------------------
 def test_bad_saved_program_settings_are_refused_naming_the_fix(tmp_path, monkeypatch, capsys):
-    from tpu_runtime.engine.program_store import limit_from_environment, read_only_folders
+    from tpu_runtime.engine.program_store import limit_from_environment, read_ahead_from_environment, read_only_folders
     from tpu_runtime.errors import InputError
     from tpu_runtime.tools.cli import main
 
@@ -369,6 +372,9 @@ def test_bad_saved_program_settings_are_refused_naming_the_fix(tmp_path, monkeyp
     monkeypatch.setenv("TPU_VIDEO_PROGRAM_CACHE_GB", "lots")
     with pytest.raises(InputError, match="TPU_VIDEO_PROGRAM_CACHE_GB='lots' is not a size in gigabytes"):
         limit_from_environment()
+    monkeypatch.setenv("TPU_VIDEO_READ_AHEAD", "all")
+    with pytest.raises(InputError, match="TPU_VIDEO_READ_AHEAD='all' is not a count: give how many"):
+        read_ahead_from_environment()
     assert main(["plan", "--comfy-model", "wan2.1-t2v-1.3b", "--topology", "v6e-8", "--save", str(tmp_path)]) == 2
     assert "leave --save out" in capsys.readouterr().err
 

@@ -46,7 +46,8 @@ FOLDER = "programs"  # under the runtime's cache directory
 SUFFIX = ".program"
 MAGIC = b"TPU video nodes program\n"
 _HEADER_LIMIT = 64 << 20  # a header longer than this is not one of ours
-READ_AHEAD = 2  # saved programs of a module loaded in the background when it is wrapped (the most recently used)
+READ_AHEAD_ENV = "TPU_VIDEO_READ_AHEAD"  # saved programs of a module read ahead when it is wrapped; 0: none
+READ_AHEAD = 2  # its default: the two most recently used
 _READERS = 2  # files read ahead at once: a small program (LTX-2's connectors) needed first is not queued behind a big one
 _STALE_TEMPORARY = 3600.0  # seconds after which a half-written file (a process killed while saving) is removed
 
@@ -232,6 +233,7 @@ class ProgramStore:
         """The store of a runtime whose XLA cache is ``cache_dir``, as the environment configures it (``create``
         False: a view of what is there, for ``cache show``, that makes no folder)."""
         limit = limit_from_environment()
+        read_ahead_from_environment()  # checked with the others, before any model runs
         return cls(Path(cache_dir) / FOLDER if limit or not create else None, limit, read_only_folders(), create)
 
     def add_read_only(self, folder: str | Path, name: str = PROGRAMS_ENV) -> None:
@@ -485,6 +487,19 @@ def limit_from_environment() -> int:
         raise InputError(f"{LIMIT_ENV}={text!r} is not a size in gigabytes: give a number such as 20 (0 turns saved "
                          "programs off)")
     return int(value * 1e9)
+
+
+def read_ahead_from_environment() -> int:
+    """How many saved programs of a wrapped model are read ahead, from ``TPU_VIDEO_READ_AHEAD`` (0: none)."""
+    from ..errors import InputError
+
+    text = os.environ.get(READ_AHEAD_ENV, "").strip()
+    if not text:
+        return READ_AHEAD
+    if not text.isdigit():
+        raise InputError(f"{READ_AHEAD_ENV}={text!r} is not a count: give how many saved programs of a model to load "
+                         f"ahead (default {READ_AHEAD}; 0 loads each when its call comes)")
+    return int(text)
 
 
 def read_only_folders() -> list[Path]:

@@ -437,8 +437,11 @@ class Runtime:
         its weights are placed. Returns the files started (none where saved programs are off)."""
         from .program_key import compiler_settings, software
 
+        from .program_store import read_ahead_from_environment
+
         store = self.saved_programs
-        if not store.enabled:
+        limit = read_ahead_from_environment()
+        if not store.enabled or not limit:
             return []
         first = self.devices[0]
         platform, kind = first.platform, first.device_kind
@@ -449,7 +452,7 @@ class Runtime:
             return (devices.get("platform") == platform and devices.get("kind") == kind
                     and all(fields.get(name) == value for name, value in expected.items()))
 
-        return store.read_ahead(role, agrees)
+        return store.read_ahead(role, agrees, limit)
 
     def save_program(self, key: "ProgramKey", executable, describe: str, extra: Any = None, variant: str = "",
                      export: Callable[[], bytes] | None = None):

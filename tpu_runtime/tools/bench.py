@@ -341,6 +341,9 @@ def add_args(p) -> None:
                    "process, cold, warm with the XLA cache alone and warm with the saved programs, for ComfyUI's own "
                    "models through the bridge (with --comfy; see bench_native.py) and the --generation's tiny model")
     p.add_argument("--restart-layers", type=int, default=20, help="with --restart: the bridged models' blocks")
+    p.add_argument("--restart-rounds", type=int, default=1, help="with --restart: rounds of cold and warm runs, each on "
+                   "a new cache folder; the table gives each mode's median seconds and ratio (the ratio within a "
+                   "round), the JSON every round")
     p.add_argument("--json", help="also write the results here")
 
 

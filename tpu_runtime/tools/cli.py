@@ -272,9 +272,12 @@ def _bench_restart(args: argparse.Namespace) -> int:
     """``bench --restart``: cold and warm starts, each in a fresh process (``restart.py``)."""
     import json
 
+    from ..errors import InputError
     from .restart import format_restart, run_restart
 
-    r = run_restart(args.comfy, layers=args.restart_layers, generation=args.generation)
+    if args.restart_rounds < 1:
+        raise InputError(f"--restart-rounds {args.restart_rounds}: give 1 or more")
+    r = run_restart(args.comfy, layers=args.restart_layers, generation=args.generation, rounds=args.restart_rounds)
     print(format_restart(r))
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=2))

@@ -48,28 +48,56 @@ def scenarios(comfy: bool) -> dict[str, tuple[str, object]]:
 
 # --- the parent --------------------------------------------------------------------------------------------------
 def run_restart(comfy_dir: str | None, names=None, modes=tuple(MODES), layers: int = 20, generation: str = "2b",
-                work: str | Path | None = None, env: dict | None = None) -> dict:
+                work: str | Path | None = None, env: dict | None = None, rounds: int = 1) -> dict:
     """Each scenario (``names``: all) run in a fresh process once per mode, in order, on one cache folder per
-    scenario; the results, the ratios to the cold run and whether each run's result equals the cold one's."""
+    scenario and round; the results, the ratios to the cold run of the same round and whether each run's result
+    equals the cold one's. With several ``rounds`` a mode's ``seconds`` and ratio are the medians over the rounds
+    (each round's own in ``rounds``): a shared machine's load moves single runs a lot."""
     work = Path(work or tempfile.mkdtemp(prefix="tpu_video_restart_"))
     known = scenarios(bool(comfy_dir))
     results = {}
     for name in names or known:
-        folder = work / name
-        folder.mkdir(parents=True, exist_ok=True)
-        runs = {}
-        for mode in modes:
-            runs[mode] = _child_run(name, mode, folder, comfy_dir, layers, generation, env)
-            if runs[mode].get("skipped"):
-                break
-        cold = runs.get("cold", {})
-        for run in runs.values():
-            if "seconds" in run and cold.get("seconds"):
-                run["ratio_to_cold"] = run["seconds"] / cold["seconds"]
-                run["equal_to_cold"] = run["result_sha256"] == cold["result_sha256"]
+        every = []
+        for number in range(rounds):
+            folder = work / name / (f"round{number + 1}" if rounds > 1 else "")
+            folder.mkdir(parents=True, exist_ok=True)
+            runs = {}
+            for mode in modes:
+                runs[mode] = _child_run(name, mode, folder, comfy_dir, layers, generation, env)
+                if runs[mode].get("skipped"):
+                    break
+            cold = runs.get("cold", {})
+            for run in runs.values():
+                if "seconds" in run and cold.get("seconds"):
+                    run["ratio_to_cold"] = run["seconds"] / cold["seconds"]
+                    run["equal_to_cold"] = run["result_sha256"] == cold["result_sha256"]
+            every.append(runs)
         results[name] = {"label": known[name][0] if name != FAMILY else f"{generation} (the pack's family)",
-                         "runs": runs}
-    return {"work": str(work), "layers": layers, "generation": generation, "scenarios": results}
+                         "runs": _medians(every) if rounds > 1 else every[0]}
+        if rounds > 1:
+            results[name]["rounds"] = every
+    return {"work": str(work), "layers": layers, "generation": generation, "rounds": rounds, "scenarios": results}
+
+
+def _medians(every: list[dict]) -> dict:
+    """Each mode's run of the middle round by seconds, with the medians of its seconds and ratio; bit-equal only
+    where every round's was."""
+    import statistics
+
+    out = {}
+    for mode in every[0]:
+        runs = [r[mode] for r in every if mode in r]
+        if any(run.get("skipped") for run in runs):
+            out[mode] = runs[0]
+            continue
+        middle = dict(sorted(runs, key=lambda run: run["seconds"])[len(runs) // 2])
+        middle["seconds"] = statistics.median(run["seconds"] for run in runs)
+        middle["first_step_s"] = statistics.median(run["first_step_s"] for run in runs)
+        if all("ratio_to_cold" in run for run in runs):
+            middle["ratio_to_cold"] = statistics.median(run["ratio_to_cold"] for run in runs)
+            middle["equal_to_cold"] = all(run["equal_to_cold"] for run in runs)
+        out[mode] = middle
+    return out
 
 
 def _child_run(name: str, mode: str, folder: Path, comfy_dir, layers: int, generation: str, env) -> dict:
@@ -92,7 +120,8 @@ def _child_run(name: str, mode: str, folder: Path, comfy_dir, layers: int, gener
 
 def format_restart(r: dict) -> str:
     lines = [f"bench --restart: seconds before the first step (from the model loaded; the step's own run apart), "
-             f"each in a fresh process (bridged models: {r['layers']} blocks)",
+             f"each in a fresh process (bridged models: {r['layers']} blocks)"
+             + (f"; the median of {r['rounds']} rounds" if r.get("rounds", 1) > 1 else ""),
              f"  {'model':<36}{'mode':<24}{'before s':>9}{'x cold':>8}{'step s':>8}{'bit-equal':>11}{'traced':>8}"
              f"{'compiled':>10}{'loaded':>8}{'process s':>11}"]
     for scenario in r["scenarios"].values():
