@@ -462,3 +462,24 @@ def test_bridged_models_load_their_programs_in_a_fresh_process(tmp_path):
         assert len(loaded) == warm["programs_loaded"] and all("read ahead" in line for line in loaded), loaded
     table = format_restart(r)
     assert "warm, saved programs" in table and "x cold" in table
+
+
+def test_restart_rounds_give_each_modes_median_and_equal_only_where_every_round_was(capsys):
+    """``bench --restart --restart-rounds N``: each mode's seconds, step and ratio are the medians over the rounds
+    (the ratio taken within each round), and a warm mode is bit-equal only where it was in every round."""
+    from tpu_runtime.tools.cli import main
+    from tpu_runtime.tools.restart import _medians
+
+    def run(seconds, ratio=None, equal=True):
+        out = {"seconds": seconds, "first_step_s": seconds / 10, "traces": 0, "xla_compiles": 0, "programs_loaded": 1}
+        return out if ratio is None else {**out, "ratio_to_cold": ratio, "equal_to_cold": equal}
+
+    rounds = [{"cold": run(10.0, 1.0), "warm": run(1.0, 0.1)},
+              {"cold": run(20.0, 1.0), "warm": run(4.0, 0.2, equal=False)},
+              {"cold": run(12.0, 1.0), "warm": run(0.6, 0.05)}]
+    medians = _medians(rounds)
+    assert medians["cold"]["seconds"] == 12.0 and medians["warm"]["seconds"] == 1.0
+    assert medians["warm"]["ratio_to_cold"] == 0.1 and medians["warm"]["first_step_s"] == 0.1
+    assert medians["warm"]["equal_to_cold"] is False
+    assert main(["bench", "--restart", "--restart-rounds", "0"]) == 2
+    assert "--restart-rounds 0: give 1 or more" in capsys.readouterr().err
