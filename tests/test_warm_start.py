@@ -293,6 +293,51 @@ def test_a_program_of_other_software_or_devices_is_never_read_ahead(runtime, sto
     assert len(runtime.read_ahead("test mlp")) == 1  # and for this software and these devices it is
 
 
+_XLA_CACHE_RUN = """
+import json, sys
+import numpy as np, torch
+from test_warm_start import Mlp, run_program
+from tpu_runtime.engine.runtime import compile_stats, get_runtime
+runtime = get_runtime(cache_dir=sys.argv[1])
+torch.manual_seed(0)
+out = run_program(runtime, Mlp(layers=3), seed=5)
+stats = compile_stats()
+print("RESULT " + json.dumps({"bits": out.tobytes().hex(), "compiles": stats.xla_compiles,
+                              "hits": stats.persistent_cache_hits}))
+"""
+
+
+def test_a_damaged_xla_cache_entry_is_named_removed_and_compiled_again(tmp_path):
+    """The persistent XLA cache's own files (JAX's), in fresh processes with saved programs off: one cut short is
+    named in the log, removed and compiled again, with the same bits; the next process finds it whole (JAX alone
+    warns with the program's name and leaves the file, so every start compiled it again)."""
+    folder = tmp_path / "cache"
+    env = subprocess_env(TPU_VIDEO_PROGRAM_CACHE_GB="0")
+    env["PYTHONPATH"] = str(Path(__file__).parent) + os.pathsep + env["PYTHONPATH"]
+
+    def run() -> tuple[dict, str]:
+        proc = subprocess.run([sys.executable, "-c", _XLA_CACHE_RUN, str(folder)], env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+        return json.loads(line[len("RESULT "):]), proc.stderr
+
+    first, _ = run()
+    entries = sorted(folder.glob("*-cache"))
+    assert entries and first["hits"] == 0
+    for path in entries:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    again, log = run()
+    warnings = [line for line in log.splitlines() if "compilation cache entry" in line]
+    assert len(warnings) == len(entries) and all("is damaged" in w and "removed" in w for w in warnings), log[-3000:]
+    assert all(any(path.name in w for w in warnings) for path in entries)
+    assert again["bits"] == first["bits"] and again["hits"] == 0
+    assert all(path.stat().st_size > 0 for path in entries)  # written whole again under the same names
+    third, log = run()
+    assert third["bits"] == first["bits"] and third["hits"] >= 1 and third["compiles"] == 0
+    assert "compilation cache entry" not in log and "Error reading persistent compilation cache" not in log
+
+
 def test_the_size_limit_removes_the_least_recently_used_first(runtime, store):
     torch.manual_seed(0)
     modules = {n: Mlp(layers=n) for n in (1, 2, 3)}

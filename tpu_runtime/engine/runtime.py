@@ -107,6 +107,42 @@ def _install_compile_listeners() -> None:
     _listeners_installed = True
 
 
+def _install_damaged_entry_handler() -> None:
+    """A damaged entry of the persistent XLA cache (cut short by a full disk or a killed copy, overwritten) is named in
+    the log, removed and compiled again. JAX alone warns with the program's name, compiles it and leaves the file,
+    so every later start warns and compiles it again; its CacheVerificationError and ``raise_persistent_cache_errors``
+    are left as JAX has them."""
+    from jax._src import compilation_cache
+
+    original = getattr(compilation_cache, "get_executable_and_time", None)
+    if original is None or getattr(original, "_names_damaged_entries", False):
+        return
+
+    def get_executable_and_time(cache_key, *args, **kwargs):
+        import jax
+
+        try:
+            return original(cache_key, *args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - decompression, unpickling or the backend's loader refused it
+            if isinstance(error, getattr(compilation_cache, "CacheVerificationError", ())) or getattr(
+                    jax.config, "jax_raise_persistent_cache_errors", False):
+                raise
+            folder = Path(str(jax.config.jax_compilation_cache_dir or ""))
+            path = folder / f"{cache_key}-cache"
+            why = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
+            if path.is_file():
+                path.unlink(missing_ok=True)
+                (folder / f"{cache_key}-atime").unlink(missing_ok=True)
+                log.warning("compilation cache entry %s is damaged (%s): removed; the program is compiled again",
+                            path, why)
+            else:
+                log.warning("compilation cache entry %s is damaged (%s): the program is compiled again", path, why)
+            return None, None
+
+    get_executable_and_time._names_damaged_entries = True
+    compilation_cache.get_executable_and_time = get_executable_and_time
+
+
 def compile_stats() -> CompileStats:
     """A copy of the process-wide compile counters."""
     return _STATS.snapshot()
@@ -167,6 +203,7 @@ class Runtime:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
         _install_compile_listeners()
+        _install_damaged_entry_handler()
         # torch code asks for int64/float64; JAX without x64 uses int32/float32, which is what we want.
         warnings.filterwarnings("ignore", message="Explicitly requested dtype (int64|float64)")
 
